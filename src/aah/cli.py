@@ -1,0 +1,51 @@
+"""The ``aah`` command line: one sub-command per job, each defined next to the code it drives."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Each module defines ``add_commands(subparsers)``; a sub-command sets ``func`` on its parser.
+COMMAND_MODULES = (
+    "aah.demo",
+    "aah.bench.cli",
+    "aah.train.cli",
+    "aah.evaluate.cli",
+    "aah.experiment.cli",
+    "aah.report.cli",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="aah", description="Asymmetric Attention Heads: train, evaluate, benchmark, report."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name is not None and name.startswith(exc.name):
+                continue  # that part of the package is not present in this build
+            raise
+        module.add_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    try:
+        result = args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

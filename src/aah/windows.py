@@ -1,0 +1,122 @@
+"""The one window convention of AAH, band masks, and the coverage figures.
+
+A head with window ``W`` lets query position ``i`` attend key positions ``j``
+with ``i - W < j <= i``: ``W`` keys including the query itself. ``W >= T`` is
+ordinary causal attention. This is the convention of Hugging Face's
+``sliding_window_overlay`` and of flash-attn's ``window_size=(W - 1, 0)``.
+
+Three coverage figures are kept apart (paper section 5.10 defines the first):
+
+* ``acr``: the paper's rectangular proxy ``sum T * min(W, T) / (L * H * T^2)``,
+  a routing diagnostic;
+* ``causal_coverage``: allowed (query, key) pairs over the causal triangle
+  ``T (T + 1) / 2``, i.e. what an ideal kernel would compute;
+* executed coverage: what a backend really computed; each backend reports it
+  (see :mod:`aah.backends`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "as_window_tensor",
+    "band_mask",
+    "acr",
+    "causal_coverage",
+    "causal_pairs",
+    "candidate_windows",
+    "window_tuple",
+]
+
+WindowsLike = torch.Tensor | Sequence[int]
+
+
+def as_window_tensor(windows: WindowsLike, *, name: str = "windows") -> torch.Tensor:
+    """Validate ``windows`` and return it as a CPU int64 tensor of shape (H,) or (L, H).
+
+    Raises ``ValueError`` naming the problem for non-integer dtypes, wrong
+    ranks, empty tensors and non-positive windows.
+    """
+    if not isinstance(windows, torch.Tensor):
+        try:
+            windows = torch.as_tensor(list(windows))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{name} must be integers, got {windows!r}") from exc
+    if windows.dtype.is_floating_point or windows.dtype.is_complex or windows.dtype == torch.bool:
+        raise ValueError(f"{name} must have an integer dtype, got {windows.dtype}")
+    if windows.dim() not in (1, 2):
+        raise ValueError(
+            f"{name} must be 1-D (one window per head) or 2-D (layers, heads), "
+            f"got shape {tuple(windows.shape)}"
+        )
+    if windows.numel() == 0:
+        raise ValueError(f"{name} must not be empty")
+    windows = windows.detach().to("cpu", torch.int64)
+    if bool((windows <= 0).any()):
+        raise ValueError(f"{name} must be positive, got {windows.tolist()}")
+    return windows
+
+
+def window_tuple(windows: WindowsLike, num_heads: int | None = None) -> tuple[int, ...]:
+    """Validated 1-D windows as a tuple of Python ints (hashable, no device syncs later)."""
+    w = as_window_tensor(windows)
+    if w.dim() != 1:
+        raise ValueError(f"windows must be 1-D here (one per head), got shape {tuple(w.shape)}")
+    if num_heads is not None and w.numel() != num_heads:
+        raise ValueError(f"windows has {w.numel()} entries but there are {num_heads} heads")
+    return tuple(int(x) for x in w.tolist())
+
+
+def _check_seq_len(seq_len: int) -> int:
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
+        raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+    return seq_len
+
+
+def band_mask(windows: WindowsLike, seq_len: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Boolean mask of shape (H, T, T); ``True`` where query ``i`` may attend key ``j``."""
+    w = as_window_tensor(windows)
+    if w.dim() != 1:
+        raise ValueError(f"band_mask takes 1-D windows (one per head), got shape {tuple(w.shape)}")
+    t = _check_seq_len(seq_len)
+    pos = torch.arange(t, device=device)
+    dist = pos[:, None] - pos[None, :]  # i - j
+    w = w.to(device)[:, None, None]
+    return (dist >= 0)[None] & (dist < w)
+
+
+def causal_pairs(window: int, seq_len: int) -> int:
+    """Number of allowed (query, key) pairs for one head: ``sum_i min(i + 1, W)``."""
+    w = min(int(window), seq_len)
+    # Rows 0..w-1 see i+1 keys (a triangle), the remaining rows see w keys each.
+    return w * (w + 1) // 2 + (seq_len - w) * w
+
+
+def acr(windows: WindowsLike, seq_len: int) -> float:
+    """The paper's rectangular Attention Coverage Ratio: mean of ``min(W, T) / T``."""
+    w = as_window_tensor(windows)
+    t = _check_seq_len(seq_len)
+    return float(w.clamp(max=t).double().mean().item() / t)
+
+
+def causal_coverage(windows: WindowsLike, seq_len: int) -> float:
+    """Allowed (query, key) pairs over the full causal triangle, averaged over heads (and layers)."""
+    w = as_window_tensor(windows)
+    t = _check_seq_len(seq_len)
+    full = t * (t + 1) / 2
+    pairs = [causal_pairs(x, t) for x in w.flatten().tolist()]
+    return float(sum(pairs) / (len(pairs) * full))
+
+
+def candidate_windows(seq_len: int, num: int = 4) -> tuple[int, ...]:
+    """The paper's ladder ``T / 2^(num-1), ..., T / 2, T`` (``[512, 1024, 2048, 4096]`` at 4096)."""
+    t = _check_seq_len(seq_len)
+    if num < 1:
+        raise ValueError(f"num must be >= 1, got {num}")
+    ladder = tuple(max(1, t >> (num - 1 - i)) for i in range(num))
+    if len(set(ladder)) != len(ladder):
+        raise ValueError(f"seq_len {t} is too short for {num} distinct windows")
+    return ladder

@@ -1,0 +1,30 @@
+"""Shared test helpers: an independent float64 attention reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+
+def reference_attention(q, k, v, windows, scale=None):
+    """Local causal attention written out loop-free in float64, independent of aah."""
+    q, k, v = (t.double() for t in (q, k, v))
+    b, h, t, d = q.shape
+    group = h // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    i = torch.arange(t)[:, None]
+    j = torch.arange(t)[None, :]
+    w = torch.as_tensor(list(windows))[:, None, None]
+    allowed = (j <= i) & (j > i - w)  # (H, T, T)
+    scores = torch.einsum("bhid,bhjd->bhij", q, k) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("bhij,bhjd->bhid", scores.softmax(-1), v)
+
+
+@pytest.fixture
+def ref_attention():
+    return reference_attention

@@ -1,0 +1,69 @@
+import pytest
+import torch
+
+from aah.windows import acr, band_mask, candidate_windows, causal_coverage
+
+
+def test_band_mask_matches_hand_worked_example():
+    mask = band_mask(torch.tensor([1, 2, 10]), 4)
+    eye = torch.eye(4, dtype=torch.bool)
+    assert torch.equal(mask[0], eye)
+    two = torch.tensor(
+        [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]], dtype=torch.bool
+    )
+    assert torch.equal(mask[1], two)
+    assert torch.equal(mask[2], torch.ones(4, 4, dtype=torch.bool).tril())
+
+
+def test_acr_and_causal_coverage_paper_ladder():
+    w = torch.tensor([512, 1024, 2048, 4096])
+    assert acr(w, 4096) == pytest.approx(0.46875)
+    # sum_i min(i+1, W) per head over T(T+1)/2, computed by hand-written loop
+    t = 4096
+    pairs = sum(sum(min(i + 1, x) for i in range(t)) for x in w.tolist())
+    assert causal_coverage(w, t) == pytest.approx(pairs / (4 * t * (t + 1) / 2))
+    assert causal_coverage(w, t) == pytest.approx(0.6054, abs=1e-4)
+
+
+def test_coverage_counts_mask_entries():
+    w = torch.tensor([1, 3, 7, 100])
+    t = 9
+    m = band_mask(w, t)
+    assert causal_coverage(w, t) == pytest.approx(m.sum().item() / (4 * t * (t + 1) / 2))
+
+
+def test_layer_by_head_windows_average_over_everything():
+    w = torch.tensor([[4, 8], [8, 8]])
+    assert acr(w, 8) == pytest.approx((0.5 + 1 + 1 + 1) / 4)
+
+
+def test_full_windows_give_unit_coverage():
+    assert acr([16, 99], 16) == 1.0
+    assert causal_coverage([16, 99], 16) == 1.0
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (torch.tensor([0, 4]), "positive"),
+        (torch.tensor([-3]), "positive"),
+        (torch.tensor([1.0, 2.0]), "integer dtype"),
+        (torch.ones(2, 2, 2, dtype=torch.long), "1-D"),
+        (torch.tensor([], dtype=torch.long), "empty"),
+    ],
+)
+def test_bad_windows_are_rejected_with_a_reason(bad, match):
+    with pytest.raises(ValueError, match=match):
+        acr(bad, 8)
+
+
+def test_bad_seq_len_is_rejected():
+    with pytest.raises(ValueError, match="seq_len"):
+        causal_coverage([2], 0)
+
+
+def test_candidate_ladder():
+    assert candidate_windows(4096) == (512, 1024, 2048, 4096)
+    assert candidate_windows(1024) == (128, 256, 512, 1024)
+    with pytest.raises(ValueError):
+        candidate_windows(4, num=4)
