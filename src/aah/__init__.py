@@ -5,9 +5,25 @@ chosen by the hierarchical AAH-v3 controller and executed by backends that
 skip the work outside each window.
 """
 
-from . import windows
+from . import regimes, windows
+from .attention import AAHAttention
 from .backends import attend, backend_names, register_backend
+from .controller import ControllerConfig, Decision, HeadController
+from .model import GPT, GPTConfig
 
 __version__ = "0.1.0"
 
-__all__ = ["attend", "backend_names", "register_backend", "windows", "__version__"]
+__all__ = [
+    "AAHAttention",
+    "ControllerConfig",
+    "Decision",
+    "GPT",
+    "GPTConfig",
+    "HeadController",
+    "attend",
+    "backend_names",
+    "register_backend",
+    "regimes",
+    "windows",
+    "__version__",
+]

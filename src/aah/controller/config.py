@@ -1,0 +1,115 @@
+"""Typed settings of the AAH-v3 controller (paper sections 5.3-5.8, 7.1).
+
+One frozen dataclass holds every knob the paper and its ablations name; the
+named presets live in :mod:`aah.regimes`. Defaults are the paper's main
+protocol values (reference-implementation values where the paper is silent).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+__all__ = ["ControllerConfig", "GROUPINGS", "TOPOLOGIES", "SCORINGS"]
+
+#: How level-0 items are formed: cosine clustering of head features (5.4),
+#: one item per head (Grouping off), or a fixed seeded random bipartition.
+GROUPINGS = ("feature", "per_head", "random")
+#: When the hierarchy is rebuilt: every control update; once (first build);
+#: level 0 once with upper levels recomputed; observed during warmup then frozen.
+TOPOLOGIES = ("adaptive", "frozen", "reuse_level0", "freeze_after_warmup")
+#: How windows are chosen: base scorer with joint sibling replacement (5.6),
+#: base scorer only, a deterministic entropy/usage rule, one fixed window, or
+#: no control at all (windows stay at the full-window start).
+SCORINGS = ("joint", "independent", "simple", "fixed", "none")
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    """Settings of one layer's head controller.
+
+    ``windows`` is the ascending candidate list; ``None`` means the paper's
+    ladder ``T/8, T/4, T/2, T`` of the model's maximum length.
+    """
+
+    enabled: bool = True
+    windows: tuple[int, ...] | None = None
+    min_window: int | None = None  # W_min of the execution clamp; None = smallest candidate
+    control_interval: int = 5
+    control_warmup: int = 100
+    feature_ema: float = 0.9  # alpha: new = alpha * old + (1 - alpha) * current
+    resolution_ema: float = 0.15  # beta: c = round(beta * previous + (1 - beta) * new)
+    grouping: str = "feature"
+    hierarchy: tuple[int, ...] = (2, 2, 2, 2)
+    max_depth: int = 4
+    topology: str = "adaptive"
+    scoring: str = "joint"
+    parent_constraint: bool = True
+    standardize_features: bool = True
+    level0_threshold: float = 0.72
+    upper_threshold: float = 0.76
+    norm_penalty: float = 16.0  # lambda of the cosine_normdiff similarity
+    norm_eps: float = 1e-6
+    shuffle_post_select: bool = False
+    fixed_window_index: int = 1  # used by scoring="fixed": 1 = T/4 on the paper ladder
+    diagnostic_queries: int = 32
+    base_hidden: int = 16
+    joint_hidden: int = 64
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        def fail(name: str, message: str) -> None:
+            raise ValueError(f"controller.{name}: {message}")
+
+        if self.windows is not None:
+            wins = tuple(self.windows)
+            if not wins or any(isinstance(w, bool) or not isinstance(w, int) or w <= 0 for w in wins):
+                fail("windows", f"must be a non-empty list of positive ints, got {list(wins)}")
+            if any(b <= a for a, b in zip(wins, wins[1:])):
+                fail("windows", f"must be strictly ascending, got {list(wins)}")
+            object.__setattr__(self, "windows", wins)
+        if self.min_window is not None and self.min_window < 1:
+            fail("min_window", f"must be >= 1 or null, got {self.min_window}")
+        if self.control_interval < 1:
+            fail("control_interval", f"must be >= 1, got {self.control_interval}")
+        if self.control_warmup < 0:
+            fail("control_warmup", f"must be >= 0, got {self.control_warmup}")
+        for name in ("feature_ema", "resolution_ema"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                fail(name, f"must be in [0, 1), got {value}")
+        for name, allowed in (("grouping", GROUPINGS), ("topology", TOPOLOGIES), ("scoring", SCORINGS)):
+            if getattr(self, name) not in allowed:
+                fail(name, f"must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
+        shape = tuple(self.hierarchy)
+        if not shape or any(isinstance(b, bool) or not isinstance(b, int) or b < 2 for b in shape):
+            fail("hierarchy", f"must be a non-empty list of branching factors >= 2, got {list(shape)}")
+        object.__setattr__(self, "hierarchy", shape)
+        if self.max_depth < 1:
+            fail("max_depth", f"must be >= 1, got {self.max_depth}")
+        if self.fixed_window_index < 0:
+            fail("fixed_window_index", f"must be >= 0, got {self.fixed_window_index}")
+        if self.diagnostic_queries < 1:
+            fail("diagnostic_queries", f"must be >= 1, got {self.diagnostic_queries}")
+        if self.norm_eps <= 0:
+            fail("norm_eps", f"must be > 0, got {self.norm_eps}")
+
+    @property
+    def num_levels(self) -> int:
+        """Levels the hierarchy may grow to: the shape's length, capped by ``max_depth``."""
+        if self.grouping == "per_head":
+            return 1
+        return min(len(self.hierarchy), self.max_depth)
+
+    def replace(self, **changes) -> ControllerConfig:
+        """A copy with ``changes``; unknown names raise ``ValueError`` listing the known ones."""
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown controller setting(s) {unknown}; known: {', '.join(sorted(known))}"
+            )
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,387 @@
+"""The AAH-v3 head controller of one attention layer (paper sections 5.3-5.8, 7.1).
+
+On a control step it observes the layer's q/k/v (feature EMA), builds or
+reuses the head hierarchy, scores every level with the base and joint
+sibling scorers, selects windows top-down with the parent clamp, maps them to
+heads, smooths them with the resolution EMA and caches the execution windows.
+Between control steps the cached windows are reused, and in evaluation mode
+nothing is ever changed.
+
+Scheduling follows the trainer's optimizer step (:meth:`HeadController.set_step`);
+the controller never counts forwards. A control update happens at the first
+forward of step ``s`` when ``s >= warmup`` and ``(s - warmup) % interval == 0``;
+later forwards of the same step (gradient accumulation) reuse its decision.
+
+All state is kept in buffers, so it is saved and loaded with the model; the
+attention module registers the controller as ``aah_state``, giving state-dict
+keys such as ``blocks.0.attn.aah_state.feature_ema``. Under
+``torch.distributed`` the observed features are averaged over ranks, so
+every rank makes the same decision.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..windows import candidate_windows
+from .config import ControllerConfig
+from .features import NUM_FEATURES, attention_diagnostics, qkv_statistics
+from .hierarchy import (
+    Topology,
+    build_upper_levels,
+    forced_bipartition,
+    level0_cosine_groups,
+    level_features,
+    parents_of,
+    random_bipartition,
+    size_fractions,
+    standardize,
+    topology_from_tensor,
+    topology_to_tensor,
+)
+from .scoring import SeededMLP, enrich, level_coordinate, score_level
+from .selection import (
+    execution_windows,
+    map_to_heads,
+    resolution_ema,
+    select_top_down,
+    simple_policy_index,
+)
+
+__all__ = ["HeadController", "Decision", "LevelDecision", "derive_seed"]
+
+_ENRICHED = 3 * NUM_FEATURES + 2  # 29
+
+
+def derive_seed(*parts: object) -> int:
+    """A stable 63-bit seed from any printable parts (run seed, layer, purpose...)."""
+    digest = hashlib.sha256(repr(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _generator(*parts: object) -> torch.Generator:
+    return torch.Generator().manual_seed(derive_seed(*parts))
+
+
+def _mean_over_ranks(x: torch.Tensor) -> torch.Tensor:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        x = x.clone()
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+        x /= dist.get_world_size()
+    return x
+
+
+@dataclass
+class LevelDecision:
+    """What happened at one hierarchy level."""
+
+    items: tuple[tuple[int, ...], ...]  # children of each item (heads at level 0)
+    parents: list[int] | None  # parent item one level up; None at the top
+    inputs: torch.Tensor  # enriched inputs (n, 29)
+    logits: torch.Tensor  # window logits after joint replacement (n, K)
+    pairs: list[tuple[int, int]]  # sibling pairs scored jointly
+    raw_index: torch.Tensor  # argmax before the parent clamp (n,)
+    index: torch.Tensor  # after the parent clamp (n,)
+
+
+@dataclass
+class Decision:
+    """One control decision, every step inspectable."""
+
+    topology: Topology
+    levels: list[LevelDecision] = field(default_factory=list)
+    head_index: torch.Tensor | None = None  # c_h after group-to-head mapping (and shuffle)
+    smoothed_index: torch.Tensor | None = None  # c~_h after the resolution EMA
+    windows: tuple[int, ...] = ()  # execution windows at the controller's max length
+
+    @property
+    def levels_used(self) -> int:
+        return len(self.topology)
+
+
+class HeadController(nn.Module):
+    """Chooses one causal window per head for one layer."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        config: ControllerConfig,
+        *,
+        max_seq_len: int,
+        layer_idx: int = 0,
+    ):
+        super().__init__()
+        if num_heads < 1:
+            raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+        self.config = config
+        self.num_heads = num_heads
+        self.max_seq_len = max_seq_len
+        self.layer_idx = layer_idx
+        cands = tuple(config.windows) if config.windows is not None else candidate_windows(max_seq_len)
+        if cands[-1] > max_seq_len:
+            raise ValueError(
+                f"controller.windows: largest window {cands[-1]} exceeds the model's max length {max_seq_len}"
+            )
+        if config.scoring == "fixed" and config.fixed_window_index >= len(cands):
+            raise ValueError(
+                f"controller.fixed_window_index: {config.fixed_window_index} is not an index of "
+                f"the {len(cands)} candidate windows {list(cands)}"
+            )
+        self.candidates = cands
+        self.num_windows = len(cands)
+        self.min_window = config.min_window if config.min_window is not None else cands[0]
+        self.max_levels = max(1, config.num_levels)
+        h, k = num_heads, self.num_windows
+
+        self.register_buffer("candidate_windows", torch.tensor(cands, dtype=torch.long))
+        self.register_buffer("feature_ema", torch.zeros(h, NUM_FEATURES))
+        self.register_buffer("feature_ema_ready", torch.tensor(False))
+        self.register_buffer("last_diagnostics", torch.zeros(h, 3))
+        self.register_buffer("has_diagnostics", torch.tensor(False))
+        self.register_buffer("topology", torch.full((self.max_levels, h), -1, dtype=torch.long))
+        self.register_buffer("resolution_index", torch.full((h,), k - 1, dtype=torch.long))
+        self.register_buffer("windows", torch.full((h,), cands[-1], dtype=torch.long))
+        self.register_buffer("last_update_step", torch.tensor(-1, dtype=torch.long))
+        self.register_buffer("num_updates", torch.tensor(0, dtype=torch.long))
+
+        gen = _generator(config.seed, "scorers", layer_idx)
+        self.base_scorer = SeededMLP((_ENRICHED, config.base_hidden, k), gen)
+        self.joint_scorer = SeededMLP((4 * _ENRICHED, config.joint_hidden, 2 * k), gen)
+
+        self.step = -1
+        self._window_cache: dict[int, tuple[int, ...]] = {}
+        self._last_update_step = -1
+        self._has_topology = False
+        self.last_decision: Decision | None = None
+        self.register_load_state_dict_post_hook(lambda module, _incompatible: module._refresh_mirrors())
+
+    # ------------------------------------------------------------------ schedule
+    def set_step(self, step: int) -> None:
+        """Tell the controller the current optimizer step (the trainer's job)."""
+        self.step = int(step)
+
+    def _refresh_mirrors(self) -> None:
+        self._window_cache.clear()
+        self._last_update_step = int(self.last_update_step)
+        self._has_topology = bool(self.topology[0, 0] >= 0)
+
+    def control_due(self) -> bool:
+        """Whether the current step is a control-update step not yet acted on."""
+        cfg, s = self.config, self.step
+        if cfg.scoring == "none" or s < cfg.control_warmup or s == self._last_update_step:
+            return False
+        return (s - cfg.control_warmup) % cfg.control_interval == 0
+
+    def _observe_in_warmup(self) -> bool:
+        cfg, s = self.config, self.step
+        return (
+            cfg.topology == "freeze_after_warmup"
+            and 0 <= s < cfg.control_warmup
+            and s != self._last_update_step
+            and s % cfg.control_interval == 0
+        )
+
+    # ------------------------------------------------------------------ main entry
+    def windows_for(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, ...]:
+        """Execution windows for this forward; runs a control update first when one is due.
+
+        Only in training mode: evaluation never changes controller state.
+        """
+        if self.training:
+            if self.control_due():
+                self.control_update(q, k, v)
+            elif self._observe_in_warmup():
+                self._warmup_observation(q, k, v)
+        return self.current_windows(q.shape[2])
+
+    def current_windows(self, seq_len: int) -> tuple[int, ...]:
+        """Cached execution windows ``clamp(W[c~_h], W_min, T)`` for length ``seq_len``."""
+        cached = self._window_cache.get(seq_len)
+        if cached is None:
+            cached = execution_windows(self.resolution_index, self.candidates, self.min_window, seq_len)
+            self._window_cache[seq_len] = cached
+        return cached
+
+    @torch.no_grad()
+    def control_update(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Decision:
+        """Observe, decide and commit; then store fresh diagnostics for the next update."""
+        features = self.observe(q, k, v)
+        decision = self.decide(features)
+        self.commit(decision)
+        self.record_diagnostics(q, k, v)
+        return decision
+
+    @torch.no_grad()
+    def _warmup_observation(self, q, k, v) -> None:
+        features = self.observe(q, k, v)
+        topology = self.build_topology(features)
+        self._store_topology(topology)
+        self._mark_step()
+        self.record_diagnostics(q, k, v)
+
+    # ------------------------------------------------------------------ features
+    @torch.no_grad()
+    def observe(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Update the feature EMA with the current base features; returns the smoothed features."""
+        stats = qkv_statistics(q, k, v)
+        current = torch.cat([stats, self.last_diagnostics.to(stats)], dim=1)
+        current = _mean_over_ranks(current).to(self.feature_ema)
+        if bool(self.feature_ema_ready):
+            alpha = self.config.feature_ema
+            self.feature_ema.mul_(alpha).add_(current, alpha=1.0 - alpha)
+        else:
+            self.feature_ema.copy_(current)
+            self.feature_ema_ready.fill_(True)
+        return self.feature_ema.clone()
+
+    @torch.no_grad()
+    def record_diagnostics(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Sampled entropy / output norm / usage, kept for the next control update."""
+        diag = attention_diagnostics(
+            q, k, v, long_range=self.candidates[0], num_queries=self.config.diagnostic_queries
+        )
+        self.last_diagnostics.copy_(_mean_over_ranks(diag).to(self.last_diagnostics))
+        self.has_diagnostics.fill_(True)
+
+    # ------------------------------------------------------------------ topology
+    def cached_topology(self) -> Topology | None:
+        return topology_from_tensor(self.topology.cpu()) if self._has_topology else None
+
+    def build_topology(self, features: torch.Tensor) -> Topology:
+        """A fresh hierarchy from ``features`` (section 5.4), ignoring any cached one."""
+        return self._grow(self._level0(features), features)
+
+    def _level0(self, features: torch.Tensor) -> list[list[int]]:
+        cfg = self.config
+        if cfg.grouping == "per_head":
+            return [[h] for h in range(self.num_heads)]
+        if cfg.grouping == "random":
+            return random_bipartition(self.num_heads, _generator(cfg.seed, "random_grouping", self.layer_idx))
+        sim_feats = self._similarity_features(features)
+        groups = level0_cosine_groups(sim_feats, cfg.level0_threshold)
+        if len(groups) == 1 and self.num_heads > 1:
+            groups = forced_bipartition(sim_feats)
+        return groups
+
+    def _similarity_features(self, features: torch.Tensor) -> torch.Tensor:
+        features = features.detach().float().cpu()
+        return standardize(features) if self.config.standardize_features else features
+
+    def _grow(self, level0, features: torch.Tensor) -> Topology:
+        cfg = self.config
+        # Upper levels compare raw group features: the norm-difference term is about magnitudes,
+        # which standardisation would distort (standardisation serves level-0 cosine only).
+        return build_upper_levels(
+            level0,
+            features.detach().float().cpu(),
+            num_levels=cfg.num_levels,
+            branching=cfg.hierarchy,
+            threshold=cfg.upper_threshold,
+            penalty=cfg.norm_penalty,
+            eps=cfg.norm_eps,
+        )
+
+    def topology_for_update(self, features: torch.Tensor) -> Topology:
+        """The hierarchy a control update uses now, following the topology policy."""
+        policy, cached = self.config.topology, self.cached_topology()
+        if cached is not None:
+            if policy == "frozen" or (policy == "freeze_after_warmup" and self.step >= self.config.control_warmup):
+                return cached
+            if policy == "reuse_level0":
+                return self._grow([list(g) for g in cached[0]], features)
+        return self.build_topology(features)
+
+    def _store_topology(self, topology: Topology) -> None:
+        self.topology.copy_(topology_to_tensor(topology, self.num_heads, self.max_levels))
+        self._has_topology = True
+
+    # ------------------------------------------------------------------ decision
+    @torch.no_grad()
+    def decide(self, features: torch.Tensor | None = None) -> Decision:
+        """The decision the controller makes from ``features`` (default: the feature EMA).
+
+        Pure: reads the state (cached topology, resolution EMA) but changes nothing.
+        """
+        cfg = self.config
+        feats = (self.feature_ema if features is None else features).detach().float().cpu()
+        k = self.num_windows
+        if cfg.scoring in ("joint", "independent"):
+            decision = self._hierarchical_decision(feats)
+        else:
+            decision = Decision(topology=())
+            if cfg.scoring == "fixed":
+                decision.head_index = torch.full((self.num_heads,), cfg.fixed_window_index, dtype=torch.long)
+            elif cfg.scoring == "simple" and bool(self.has_diagnostics):
+                diag = self.last_diagnostics.float().cpu()
+                decision.head_index = simple_policy_index(diag[:, 0], diag[:, 2], k)
+            else:
+                decision.head_index = torch.full((self.num_heads,), k - 1, dtype=torch.long)
+        if cfg.shuffle_post_select:
+            perm = torch.randperm(
+                self.num_heads, generator=_generator(cfg.seed, "shuffle", self.layer_idx, int(self.num_updates))
+            )
+            decision.head_index = decision.head_index[perm]
+        decision.smoothed_index = resolution_ema(
+            self.resolution_index.cpu(), decision.head_index, cfg.resolution_ema, k
+        )
+        decision.windows = execution_windows(decision.smoothed_index, self.candidates, self.min_window, self.max_seq_len)
+        return decision
+
+    def _hierarchical_decision(self, feats: torch.Tensor) -> Decision:
+        cfg = self.config
+        topology = self.topology_for_update(feats)
+        num_levels = len(topology)
+        item_feats = level_features(topology, feats)
+        sizes = size_fractions(topology)
+        parents = parents_of(topology)
+        joint = self.joint_scorer if cfg.scoring == "joint" else None
+        levels: list[LevelDecision] = []
+        all_logits = []
+        for r in range(num_levels):
+            top = r == num_levels - 1
+            parent_feats = None if top else item_feats[r + 1][parents[r]]
+            inputs = enrich(item_feats[r], parent_feats, sizes[r], level_coordinate(r, num_levels))
+            siblings = [range(len(topology[r]))] if top else topology[r + 1]
+            logits, pairs = score_level(inputs, siblings, self.base_scorer, joint)
+            all_logits.append(logits)
+            levels.append(LevelDecision(topology[r], parents[r], inputs, logits, pairs, None, None))
+        raw, clamped = select_top_down(all_logits, parents, parent_constraint=cfg.parent_constraint)
+        for level, r_idx, c_idx in zip(levels, raw, clamped):
+            level.raw_index, level.index = r_idx, c_idx
+        head_index = map_to_heads(topology[0], clamped[0], self.num_heads)
+        return Decision(topology=topology, levels=levels, head_index=head_index)
+
+    @torch.no_grad()
+    def commit(self, decision: Decision) -> None:
+        """Make ``decision`` current: resolution EMA state, topology cache, windows, step."""
+        if decision.topology:
+            self._store_topology(decision.topology)
+        self.resolution_index.copy_(decision.smoothed_index.to(self.resolution_index.device))
+        self.windows.copy_(torch.tensor(decision.windows, dtype=torch.long))
+        self.num_updates += 1
+        self._mark_step()
+        self._window_cache.clear()
+        self.last_decision = decision
+
+    def _mark_step(self) -> None:
+        self.last_update_step.fill_(self.step)
+        self._last_update_step = self.step
+
+    # ------------------------------------------------------------------ reporting
+    def levels_used(self) -> int:
+        """Hierarchy levels of the current topology (0 before the first build or without one)."""
+        if self.config.scoring not in ("joint", "independent") or not self._has_topology:
+            return 0
+        return int((self.topology[:, 0] >= 0).sum())
+
+    def extra_repr(self) -> str:
+        cfg = self.config
+        return (
+            f"heads={self.num_heads}, windows={list(self.candidates)}, grouping={cfg.grouping}, "
+            f"hierarchy={list(cfg.hierarchy)}, topology={cfg.topology}, scoring={cfg.scoring}"
+        )

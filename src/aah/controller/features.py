@@ -1,0 +1,94 @@
+"""Per-head base features and attention diagnostics (paper section 5.3).
+
+The 9-dimensional base feature of head ``h`` is
+``[mean|q|, std q, mean|k|, std k, mean|v|, std v, entropy, output norm, usage]``.
+The six activation statistics reduce over batch, time and head dimension
+(population standard deviation). The last three are *diagnostics* of an
+earlier attention pass, defined here where the paper leaves them open:
+
+* entropy: Shannon entropy of the query's attention row divided by the log of
+  the number of keys the query may see (so 1 = uniform, 0 = one key);
+* output norm: L2 norm of the head's attention output vector;
+* usage: attention mass on keys at distance >= the smallest candidate window,
+  i.e. how much the head relies on long-range context.
+
+Diagnostics are computed without gradient on a few sampled query positions
+with full causal context (so a head that was shrunk can still show that it
+wants more), never on the full ``T x T`` scores.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..backends.base import expand_kv
+
+__all__ = ["NUM_FEATURES", "FEATURE_NAMES", "qkv_statistics", "sample_query_positions", "attention_diagnostics"]
+
+FEATURE_NAMES = (
+    "mean_abs_q", "std_q", "mean_abs_k", "std_k", "mean_abs_v", "std_v",
+    "entropy", "output_norm", "usage",
+)
+NUM_FEATURES = len(FEATURE_NAMES)
+
+
+@torch.no_grad()
+def qkv_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The six activation statistics per query head, shape (H, 6), float32.
+
+    With grouped-query attention a query head takes the K/V statistics of the
+    KV head it reads.
+    """
+    num_heads = q.shape[1]
+    stats = []
+    for x in (q, expand_kv(k, num_heads), expand_kv(v, num_heads)):
+        x = x.detach().float().transpose(0, 1).reshape(num_heads, -1)
+        stats.append(x.abs().mean(dim=1))
+        stats.append(x.std(dim=1, unbiased=False))
+    return torch.stack(stats, dim=1)
+
+
+def sample_query_positions(seq_len: int, num_queries: int, start: int) -> torch.Tensor:
+    """Evenly spaced query positions in ``[start, seq_len - 1]``, always including the last one."""
+    start = max(0, min(start, seq_len - 1))
+    count = min(num_queries, seq_len - start)
+    return torch.linspace(start, seq_len - 1, count).round().long().unique()
+
+
+@torch.no_grad()
+def attention_diagnostics(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    long_range: int,
+    num_queries: int = 32,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Entropy, output norm and long-range usage per head, shape (H, 3), float32.
+
+    ``long_range`` is the distance from which keys count as long range (the
+    smallest candidate window). Queries are sampled from positions that can
+    see that far back, when the sequence is long enough.
+    """
+    b, num_heads, seq_len, dim = q.shape
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    pos = sample_query_positions(seq_len, num_queries, start=long_range).to(q.device)
+    qs = q.detach().float()[:, :, pos]  # (B, H, S, D)
+    kf = expand_kv(k.detach().float(), num_heads)
+    vf = expand_kv(v.detach().float(), num_heads)
+    scores = torch.matmul(qs, kf.transpose(-1, -2)) * scale  # (B, H, S, T)
+    keys = torch.arange(seq_len, device=q.device)
+    distance = pos[:, None] - keys[None, :]  # (S, T)
+    scores = scores.masked_fill(distance < 0, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    plogp = torch.where(probs > 0, probs * probs.clamp_min(1e-30).log(), torch.zeros_like(probs))
+    visible = (pos + 1).float()
+    log_keys = torch.where(visible > 1, visible.log(), torch.ones_like(visible))
+    entropy = torch.where(visible > 1, -plogp.sum(-1) / log_keys, torch.zeros_like(log_keys))
+    out_norm = torch.matmul(probs, vf).norm(dim=-1)
+    usage = (probs * (distance >= long_range)).sum(-1)
+    diag = torch.stack([entropy, out_norm, usage], dim=-1)  # (B, H, S, 3)
+    return diag.mean(dim=(0, 2))

@@ -1,0 +1,162 @@
+"""Named AAH-v3 regimes and ablations, each a validated :class:`ControllerConfig` preset.
+
+Principal regimes are the rows of paper Tables 3, 4 and 6; the screening rows
+come from Table 5 (section 7.3) and the mechanism ablations from Table 8
+(appendix A.2). Every AAH regime shares the paper's protocol values (control
+every 5 steps after a 100-step full-window warmup, feature EMA 0.9,
+resolution EMA 0.15) unless its description says otherwise; CPU-sized configs
+override the warmup, not the regime.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .controller.config import ControllerConfig
+
+__all__ = ["Regime", "REGIMES", "get", "names", "describe"]
+
+
+@dataclass(frozen=True)
+class Regime:
+    name: str
+    paper_row: str
+    description: str
+    controller: ControllerConfig
+
+
+_FULL_ADAPTIVE = ControllerConfig(hierarchy=(2, 2, 2, 2), topology="adaptive", scoring="joint")
+_SHALLOW_FREEZE = ControllerConfig(hierarchy=(2,), topology="frozen", scoring="joint")
+
+_REGIMES = (
+    Regime(
+        "full_attention",
+        "Tables 3/4/6: Full attention; Table 5: Pure baseline",
+        "Ordinary causal multi-head attention: no controller, every window is T.",
+        ControllerConfig(enabled=False),
+    ),
+    Regime(
+        "grouping_off",
+        "Tables 3/4/6: Grouping off",
+        "Each head is its own level-0 item, one level, base scorer only (no joint sibling "
+        "scoring, no parent constraint); resolution EMA and cached windows as in AAH.",
+        ControllerConfig(grouping="per_head", hierarchy=(2,), scoring="independent", parent_constraint=False),
+    ),
+    Regime(
+        "full_adaptive",
+        "Tables 3/4/6: Full adaptive",
+        "Feature-derived grouping and a [2,2,2,2] hierarchy rebuilt at every control update, "
+        "wide joint sibling scoring, parent clamp.",
+        _FULL_ADAPTIVE,
+    ),
+    Regime(
+        "shallow_freeze",
+        "Tables 3/4/6: Shallow freeze; Table 5: Shallow freeze",
+        "Feature-derived [2] topology built at the first control update, then frozen; features, "
+        "joint sibling decisions and windows keep updating.",
+        _SHALLOW_FREEZE,
+    ),
+    Regime(
+        "deep_practical_reuse",
+        "Tables 3/4/6: Deep practical reuse",
+        "[2,2,2,2] hierarchy whose level-0 partition is built once and reused; upper levels and "
+        "decisions are recomputed at every control update.",
+        _FULL_ADAPTIVE.replace(topology="reuse_level0"),
+    ),
+    Regime(
+        "control_off",
+        "Table 8: appendix_4096_control_off",
+        "The AAH layer with its controller never deciding: windows stay at the full-window start "
+        "(measures the framework alone).",
+        _FULL_ADAPTIVE.replace(scoring="none"),
+    ),
+    Regime(
+        "fixed_random_grouping",
+        "Table 5: Fixed random grouping; Table 8: appendix_4096_fixed_random_grouping",
+        "Shallow freeze with the level-0 bipartition drawn at random (seeded, balanced) instead of "
+        "from head features.",
+        _SHALLOW_FREEZE.replace(grouping="random"),
+    ),
+    Regime(
+        "freeze_after_warmup",
+        "Table 8: appendix_4096_freeze_after_warmup_passthrough",
+        "Full adaptive whose controller observes features and rebuilds the topology during the "
+        "warmup while windows pass through at full span, then freezes the topology at warmup end.",
+        _FULL_ADAPTIVE.replace(topology="freeze_after_warmup"),
+    ),
+    Regime(
+        "independent_scoring",
+        "Table 8: appendix_4096_independent_scoring",
+        "Full adaptive with the base scorer alone: no joint sibling logit replacement.",
+        _FULL_ADAPTIVE.replace(scoring="independent"),
+    ),
+    Regime(
+        "no_parent_constraint",
+        "Table 8: appendix_4096_no_parent_constraint",
+        "Full adaptive without the top-down clamp c = min(c_raw, c_parent).",
+        _FULL_ADAPTIVE.replace(parent_constraint=False),
+    ),
+    Regime(
+        "no_feature_ema",
+        "Table 8: appendix_4096_no_feature_ema",
+        "Full adaptive with feature EMA coefficient 0: each update sees only current features.",
+        _FULL_ADAPTIVE.replace(feature_ema=0.0),
+    ),
+    Regime(
+        "simple_policy",
+        "Table 8: appendix_4096_simple_policy",
+        "No hierarchy or scorer: each head takes index floor(K * (entropy + usage) / 2) of its "
+        "latest diagnostics (full window until diagnostics exist).",
+        ControllerConfig(grouping="per_head", hierarchy=(2,), scoring="simple", parent_constraint=False),
+    ),
+    Regime(
+        "fixed_window",
+        "Table 5: Fixed 1024 (T/4 at T = 4096)",
+        "One window for every head after the warmup: candidate index 1 (T/4 on the paper ladder).",
+        ControllerConfig(grouping="per_head", hierarchy=(2,), scoring="fixed", fixed_window_index=1),
+    ),
+    Regime(
+        "shuffle_post_select",
+        "Table 5: Shallow shuffle-post-select",
+        "Shallow freeze whose selected per-head indices are randomly permuted across heads at every "
+        "control update (seeded).",
+        _SHALLOW_FREEZE.replace(shuffle_post_select=True),
+    ),
+    Regime(
+        "full_adaptive_shuffle_post_select",
+        "Table 5: Full adaptive shuffle-post-select",
+        "Full adaptive with selected per-head indices randomly permuted across heads (seeded).",
+        _FULL_ADAPTIVE.replace(shuffle_post_select=True),
+    ),
+    Regime(
+        "shallow_control_interval_10",
+        "Table 5: Shallow control interval 10",
+        "Shallow freeze with control updates every 10 steps instead of 5.",
+        _SHALLOW_FREEZE.replace(control_interval=10),
+    ),
+)
+
+REGIMES: dict[str, Regime] = {r.name: r for r in _REGIMES}
+
+#: The paper's five principal regimes (Tables 3, 4, 6), in table order.
+PRINCIPAL = ("full_attention", "grouping_off", "full_adaptive", "shallow_freeze", "deep_practical_reuse")
+
+
+def names() -> list[str]:
+    """All regime names, principal ones first."""
+    return list(REGIMES)
+
+
+def get(name: str, **overrides) -> ControllerConfig:
+    """The controller settings of regime ``name``, with optional field overrides."""
+    try:
+        regime = REGIMES[name]
+    except KeyError:
+        raise ValueError(f"unknown regime {name!r}; known regimes: {', '.join(REGIMES)}") from None
+    return regime.controller.replace(**overrides) if overrides else regime.controller
+
+
+def describe(name: str) -> Regime:
+    """The :class:`Regime` record (paper row and description) of ``name``."""
+    get(name)
+    return REGIMES[name]
