@@ -30,7 +30,7 @@ from torch import nn
 
 from ..windows import candidate_windows
 from .config import ControllerConfig
-from .features import NUM_FEATURES, attention_diagnostics, qkv_statistics
+from .features import NUM_FEATURES, attention_diagnostics, qkv_moments, statistics_from_moments
 from .hierarchy import (
     Topology,
     build_upper_levels,
@@ -228,9 +228,8 @@ class HeadController(nn.Module):
     @torch.no_grad()
     def observe(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Update the feature EMA with the current base features; returns the smoothed features."""
-        stats = qkv_statistics(q, k, v)
-        current = torch.cat([stats, self.last_diagnostics.to(stats)], dim=1)
-        current = _mean_over_ranks(current).to(self.feature_ema)
+        stats = statistics_from_moments(_mean_over_ranks(qkv_moments(q, k, v)))
+        current = torch.cat([stats, self.last_diagnostics.to(stats)], dim=1).to(self.feature_ema)
         if bool(self.feature_ema_ready):
             alpha = self.config.feature_ema
             self.feature_ema.mul_(alpha).add_(current, alpha=1.0 - alpha)

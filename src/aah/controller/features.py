@@ -25,7 +25,7 @@ import torch
 
 from ..backends.base import expand_kv
 
-__all__ = ["NUM_FEATURES", "FEATURE_NAMES", "qkv_statistics", "sample_query_positions", "attention_diagnostics"]
+__all__ = ["NUM_FEATURES", "FEATURE_NAMES", "qkv_moments", "qkv_statistics", "statistics_from_moments", "sample_query_positions", "attention_diagnostics"]
 
 FEATURE_NAMES = (
     "mean_abs_q", "std_q", "mean_abs_k", "std_k", "mean_abs_v", "std_v",
@@ -35,19 +35,33 @@ NUM_FEATURES = len(FEATURE_NAMES)
 
 
 @torch.no_grad()
-def qkv_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The six activation statistics per query head, shape (H, 6), float32.
+def qkv_moments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Per query head ``[E|x|, E x, E x^2]`` for x in q, k, v: shape (H, 9), float64.
 
-    With grouped-query attention a query head takes the K/V statistics of the
-    KV head it reads.
+    Moments (unlike standard deviations) average exactly over equal-sized
+    shards, so data-parallel ranks can combine them into the global statistics.
+    With grouped-query attention a query head takes the moments of the KV head it reads.
     """
     num_heads = q.shape[1]
-    stats = []
+    moments = []
     for x in (q, expand_kv(k, num_heads), expand_kv(v, num_heads)):
-        x = x.detach().float().transpose(0, 1).reshape(num_heads, -1)
-        stats.append(x.abs().mean(dim=1))
-        stats.append(x.std(dim=1, unbiased=False))
-    return torch.stack(stats, dim=1)
+        x = x.detach().double().transpose(0, 1).reshape(num_heads, -1)
+        moments += [x.abs().mean(dim=1), x.mean(dim=1), x.square().mean(dim=1)]
+    return torch.stack(moments, dim=1)
+
+
+def statistics_from_moments(moments: torch.Tensor) -> torch.Tensor:
+    """``[mean|q|, std q, mean|k|, std k, mean|v|, std v]`` (population std) from :func:`qkv_moments`."""
+    cols = []
+    for i in range(3):
+        abs_mean, mean, sq_mean = moments[:, 3 * i], moments[:, 3 * i + 1], moments[:, 3 * i + 2]
+        cols += [abs_mean, (sq_mean - mean.square()).clamp_min(0).sqrt()]
+    return torch.stack(cols, dim=1).float()
+
+
+def qkv_statistics(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The six activation statistics per query head, shape (H, 6), float32."""
+    return statistics_from_moments(qkv_moments(q, k, v))
 
 
 def sample_query_positions(seq_len: int, num_queries: int, start: int) -> torch.Tensor:

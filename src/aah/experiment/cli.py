@@ -1,0 +1,57 @@
+"""``aah experiment SUITE.yaml [--seeds 0 1 2] [--out DIR] [--jobs N] [key=value ...]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..config import ConfigError
+from ..report import main_table_text, write_report
+from .suite import load_suite, run_suite
+
+
+def add_commands(subparsers) -> None:
+    p = subparsers.add_parser(
+        "experiment",
+        help="run every (regime, seed) of a suite, evaluate each, and write the report",
+        description=(
+            "Runs a suite from configs/suites/, skipping runs already complete and resuming "
+            "interrupted ones, then writes OUT/report/report.md with tables and figures."
+        ),
+    )
+    p.add_argument("suite", metavar="SUITE.yaml")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides applied to every run")
+    p.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds (default: the suite's)")
+    p.add_argument("--out", metavar="DIR", default=None, help="output folder (default: runs/<suite name>)")
+    p.add_argument("--jobs", type=int, default=1, help="runs at a time (default 1)")
+    p.set_defaults(func=_run)
+
+
+def run_experiment(suite_path: str, out: str | None, seeds, jobs: int, overrides=()) -> int:
+    try:
+        suite = load_suite(suite_path)
+        out_dir = Path(out) if out else Path("runs") / suite.name
+        if jobs < 1:
+            raise ConfigError(f"--jobs must be >= 1, got {jobs}")
+        specs, failures = run_suite(
+            suite, out_dir, seeds=tuple(seeds) if seeds else None, jobs=jobs, extra_overrides=tuple(overrides)
+        )
+    except ConfigError as exc:
+        print(f"aah experiment: {exc}", file=sys.stderr)
+        return 2
+    for spec, code, log in failures:
+        print(f"run {spec.name} failed (exit {code}); see {log}", file=sys.stderr)
+    done = [s.run_dir for s in specs if (s.run_dir / "meta.json").is_file()]
+    if not done:
+        print("aah experiment: no run produced results", file=sys.stderr)
+        return 1
+    report = write_report(done, out_dir / "report")
+    print(main_table_text(done))
+    print(f"\nreport: {report}")
+    print(f"figures: {report.parent}/*.png")
+    return 1 if failures else 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    return run_experiment(args.suite, args.out, args.seeds, args.jobs, args.overrides)

@@ -1,0 +1,184 @@
+"""Experiment suites: every (regime, seed) of a comparison, run, evaluated and reported.
+
+A suite file names a folder of per-regime configs, the regimes, the seeds and
+overrides that apply to every run::
+
+    name: main
+    config_dir: ../../cpu          # relative to the suite file; holds <regime>.yaml
+    regimes: [full_attention, grouping_off, full_adaptive, shallow_freeze, deep_practical_reuse]
+    seeds: [0]
+    overrides: [train.max_steps=300]
+
+Runs land in ``OUT/<regime>/seed<seed>``. A run whose ``meta.json`` says
+``complete`` and that has an ``eval.json`` is skipped; one with checkpoints is
+resumed; anything else starts fresh. The report is written to ``OUT/report``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from tqdm.auto import tqdm
+
+from .. import regimes as regime_registry
+from ..config import ConfigError, load_config
+from ..train.checkpoint import latest_checkpoint
+from ..train.run_dir import read_meta
+
+__all__ = ["Suite", "RunSpec", "load_suite", "plan_runs", "run_suite"]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    regime: str
+    seed: int
+    config: Path
+    overrides: tuple[str, ...]
+    run_dir: Path
+
+    @property
+    def name(self) -> str:
+        return f"{self.regime}/seed{self.seed}"
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    path: Path
+    config_dir: Path
+    regimes: tuple[str, ...]
+    seeds: tuple[int, ...]
+    overrides: tuple[str, ...] = ()
+    regime_overrides: dict = field(default_factory=dict)
+
+
+_KEYS = {"name", "config_dir", "regimes", "seeds", "overrides", "regime_overrides", "description"}
+
+
+def load_suite(path: str | Path) -> Suite:
+    """Read and validate a suite file (every regime and config must exist)."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read suite file {path}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"suite file {path} must hold a mapping")
+    unknown = sorted(set(raw) - _KEYS)
+    if unknown:
+        raise ConfigError(f"suite {path}: unknown key(s) {unknown}; allowed: {sorted(_KEYS)}")
+    for key in ("config_dir", "regimes"):
+        if key not in raw:
+            raise ConfigError(f"suite {path}: missing key {key!r}")
+    config_dir = (path.parent / raw["config_dir"]).resolve()
+    regimes = tuple(raw["regimes"])
+    known = regime_registry.names()
+    for regime in regimes:
+        if regime not in known:
+            raise ConfigError(f"suite {path}: unknown regime {regime!r}; known regimes: {', '.join(known)}")
+        if not (config_dir / f"{regime}.yaml").is_file():
+            raise ConfigError(f"suite {path}: no config {config_dir / (regime + '.yaml')}")
+    seeds = tuple(int(s) for s in raw.get("seeds", [0]))
+    regime_overrides = {k: tuple(v) for k, v in (raw.get("regime_overrides") or {}).items()}
+    for regime in regime_overrides:
+        if regime not in regimes:
+            raise ConfigError(f"suite {path}: regime_overrides names {regime!r}, which is not in regimes")
+    return Suite(
+        name=str(raw.get("name", path.stem)),
+        path=path,
+        config_dir=config_dir,
+        regimes=regimes,
+        seeds=seeds,
+        overrides=tuple(raw.get("overrides") or ()),
+        regime_overrides=regime_overrides,
+    )
+
+
+def plan_runs(suite: Suite, out_dir: Path, seeds: tuple[int, ...] | None = None,
+              extra_overrides: tuple[str, ...] = ()) -> list[RunSpec]:
+    """One :class:`RunSpec` per (regime, seed); each config is validated before anything runs."""
+    specs = []
+    for seed in seeds or suite.seeds:
+        for regime in suite.regimes:
+            overrides = (
+                *suite.overrides, *suite.regime_overrides.get(regime, ()), *extra_overrides,
+                f"train.seed={seed}",
+            )
+            config = suite.config_dir / f"{regime}.yaml"
+            load_config(config, overrides)  # fail early, naming the key
+            specs.append(RunSpec(regime, seed, config, overrides, out_dir / regime / f"seed{seed}"))
+    return specs
+
+
+def run_state(run_dir: Path) -> str:
+    """``done`` (trained and evaluated), ``evaluate``, ``resume`` or ``fresh``."""
+    meta = read_meta(run_dir)
+    if meta.get("status") == "complete":
+        return "done" if (run_dir / "eval.json").is_file() else "evaluate"
+    if latest_checkpoint(run_dir) is not None:
+        return "resume"
+    return "fresh"
+
+
+def _command(spec: RunSpec, state: str) -> list[list[str]]:
+    aah = [sys.executable, "-m", "aah.cli"]
+    quiet = ["log.progress=false"]
+    steps = []
+    if state == "fresh":
+        if spec.run_dir.exists():
+            shutil.rmtree(spec.run_dir)  # a start that never reached a checkpoint
+        steps.append([*aah, "train", str(spec.config), *spec.overrides, *quiet, "--out", str(spec.run_dir)])
+    elif state == "resume":
+        steps.append([*aah, "train", "--resume", str(spec.run_dir)])
+    if state in ("fresh", "resume", "evaluate"):
+        steps.append([*aah, "eval", str(spec.run_dir)])
+    return steps
+
+
+def _execute(spec: RunSpec, threads: int) -> tuple[RunSpec, int, str]:
+    state = run_state(spec.run_dir)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), AAH_TORCH_THREADS=str(threads))
+    spec.run_dir.parent.mkdir(parents=True, exist_ok=True)
+    log_path = spec.run_dir.parent / f"seed{spec.seed}.log"
+    for cmd in _command(spec, state):
+        with open(log_path, "a") as log:
+            log.write("$ " + " ".join(cmd) + "\n")
+            log.flush()
+            code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        if code != 0:
+            return spec, code, str(log_path)
+    return spec, 0, str(log_path)
+
+
+def run_suite(
+    suite: Suite,
+    out_dir: str | Path,
+    *,
+    seeds: tuple[int, ...] | None = None,
+    jobs: int = 1,
+    extra_overrides: tuple[str, ...] = (),
+) -> tuple[list[RunSpec], list[tuple[RunSpec, int, str]]]:
+    """Run every pending (regime, seed); returns the plan and the failures (spec, code, log)."""
+    out_dir = Path(out_dir)
+    specs = plan_runs(suite, out_dir, seeds, extra_overrides)
+    cores = os.cpu_count() or 1
+    threads = max(1, cores // max(1, jobs))
+    failures = []
+    states = {spec: run_state(spec.run_dir) for spec in specs}
+    pending = [s for s in specs if states[s] != "done"]
+    bar = tqdm(total=len(specs), initial=len(specs) - len(pending), desc=f"suite {suite.name}", unit="run")
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        for spec, code, log in pool.map(lambda s: _execute(s, threads), pending):
+            bar.update(1)
+            bar.set_postfix_str(f"{spec.name} {'ok' if code == 0 else 'FAILED'}")
+            if code != 0:
+                failures.append((spec, code, log))
+    bar.close()
+    return specs, failures

@@ -1,0 +1,51 @@
+"""``aah report RUN_DIR... [--out DIR]``: write the experiment report and print its main table.
+
+Each ``RUN_DIR`` is a run folder (it holds ``meta.json``) or a folder searched
+recursively for run folders. The report (paper Tables 4-6, Figures 3-4) goes
+to ``--out`` (default ``report``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from . import write_report
+from .runs import find_run_dirs, load_runs
+from .tables import training_table
+
+__all__ = ["add_commands", "run_report"]
+
+
+def add_commands(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``report`` sub-command to the ``aah`` command line."""
+    parser = subparsers.add_parser(
+        "report",
+        help="tables, CSVs and figures from run folders",
+        description="Write report.md, CSV tables and PNG figures for a set of runs and print "
+        "the training table. RUN_DIR may be a run folder or a folder holding run folders.",
+    )
+    parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
+    parser.add_argument("--out", type=Path, default=Path("report"), metavar="DIR",
+                        help="output folder (default: ./report)")
+    parser.set_defaults(func=run_report)
+
+
+def run_report(args: argparse.Namespace) -> int:
+    """Entry point of ``aah report``; returns the process exit status."""
+    try:
+        run_dirs = find_run_dirs(args.run_dirs)
+    except FileNotFoundError as exc:
+        print(f"aah report: {exc}", file=sys.stderr)
+        return 2
+    if not run_dirs:
+        names = " ".join(str(p) for p in args.run_dirs)
+        print(f"aah report: no run folders found in {names} "
+              "(a run folder holds meta.json, written when training starts)", file=sys.stderr)
+        return 2
+    runs, _ = load_runs(run_dirs)
+    print(training_table(runs).to_markdown())
+    path = write_report(run_dirs, args.out)
+    print(f"\n{len(runs)} run(s); report written to {path}")
+    return 0

@@ -1,0 +1,63 @@
+"""``aah train CONFIG [key=value ...] [--out DIR]`` and ``aah train --resume RUN_DIR``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from datetime import datetime
+from pathlib import Path
+
+from ..config import ConfigError, load_config
+from .trainer import TrainingStopped, train
+
+
+def add_commands(subparsers) -> None:
+    p = subparsers.add_parser(
+        "train",
+        help="train a model (one regime, one seed) into a run folder",
+        description=(
+            "Train from a YAML config with optional section.key=value overrides, "
+            "e.g. aah train configs/cpu/shallow_freeze.yaml train.max_steps=50 --out runs/sf. "
+            "Resume an interrupted run with aah train --resume RUN_DIR."
+        ),
+    )
+    p.add_argument("config", nargs="?", metavar="CONFIG", help="YAML config file")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides such as train.max_steps=50")
+    p.add_argument("--out", metavar="DIR", help="run folder (default: <train.out_dir>/<regime>-seed<seed>-<time>)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        if args.resume:
+            if args.config or args.overrides:
+                raise ConfigError("--resume takes the run folder's own config; give no CONFIG or overrides")
+            run_dir = Path(args.resume)
+            if not (run_dir / "config.yaml").is_file():
+                raise ConfigError(f"--resume: {run_dir} is not a run folder (no config.yaml)")
+            cfg = load_config(run_dir / "config.yaml")
+        else:
+            if args.config is None:
+                raise ConfigError("give a CONFIG file (see configs/) or --resume RUN_DIR")
+            cfg = load_config(args.config, args.overrides)
+            run_dir = Path(args.out) if args.out else _default_run_dir(cfg)
+            if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
+                raise ConfigError(
+                    f"--out: {run_dir} already holds checkpoints; use --resume {run_dir} or another folder"
+                )
+    except ConfigError as exc:
+        print(f"aah train: {exc}", file=sys.stderr)
+        return 2
+    try:
+        result = train(cfg, run_dir, resume=bool(args.resume))
+    except TrainingStopped as exc:
+        print(f"aah train: {exc}", file=sys.stderr)
+        return 1
+    print(f"{result.status} at step {result.step}; run folder: {result.run_dir}")
+    return 0 if result.status == "complete" else 130
+
+
+def _default_run_dir(cfg) -> Path:
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path(cfg.train.out_dir) / f"{cfg.aah.regime}-seed{cfg.train.seed}-{stamp}"

@@ -1,0 +1,82 @@
+"""Process-group set-up for ``torchrun``: DDP by default, FSDP2 by config.
+
+Under ``torchrun --nproc-per-node N`` the environment carries ``RANK``,
+``LOCAL_RANK`` and ``WORLD_SIZE``; outside it everything runs in one process.
+The controllers average their observed features over ranks themselves
+(:mod:`aah.controller.controller`), so every rank holds the same windows.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["DistInfo", "init_distributed", "wrap_model", "all_reduce_mean", "barrier", "shutdown"]
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed(device_type: str) -> DistInfo:
+    """Join the process group that ``torchrun`` describes (gloo on CPU, nccl on CUDA)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return DistInfo()
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+    if device_type == "cuda":
+        torch.cuda.set_device(local)
+    return DistInfo(rank=rank, local_rank=local, world_size=world)
+
+
+def wrap_model(model: nn.Module, info: DistInfo, strategy: str, device: torch.device) -> nn.Module:
+    """DDP (or FSDP2 ``fully_shard`` per block) around ``model``; unchanged in one process."""
+    if not info.enabled:
+        return model
+    if strategy == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [device.index] if device.type == "cuda" else None
+    # Buffers need no broadcast: the controllers reach identical decisions on every rank.
+    return DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
+
+
+def all_reduce_mean(value: float, info: DistInfo, device: torch.device) -> float:
+    if not info.enabled:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t.item()) / info.world_size
+
+
+def barrier(info: DistInfo) -> None:
+    if info.enabled:
+        dist.barrier()
+
+
+def shutdown(info: DistInfo) -> None:
+    if info.enabled and dist.is_initialized():
+        dist.destroy_process_group()

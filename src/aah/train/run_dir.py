@@ -1,0 +1,126 @@
+"""The run folder: resolved config, ``meta.json``, ``metrics.jsonl`` and TensorBoard events.
+
+Layout::
+
+    RUN/
+      config.yaml        resolved configuration
+      meta.json          version, commit, seed, regime, backend, device, times, status
+      metrics.jsonl      one JSON object per logged step ("kind": "train" or "eval")
+      tensorboard/       event files (when tensorboard is installed)
+      checkpoints/       one folder per checkpoint (see aah.train.checkpoint)
+      eval.json          written by ``aah eval``
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+__all__ = ["MetricsLog", "write_json_atomic", "read_meta", "update_meta", "git_commit", "now_iso", "peak_memory_mb"]
+
+
+def now_iso() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=2, sort_keys=True)
+            fh.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_meta(run_dir: Path) -> dict:
+    path = Path(run_dir) / "meta.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def update_meta(run_dir: Path, **fields) -> dict:
+    meta = read_meta(run_dir)
+    meta.update(fields)
+    write_json_atomic(Path(run_dir) / "meta.json", meta)
+    return meta
+
+
+def git_commit() -> str | None:
+    """The commit of the source tree this package runs from, if it is a git checkout."""
+    here = Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5, check=False
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """GPU: max allocated; CPU: the process's peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    try:
+        import resource
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return rss / 1024 if sys.platform != "darwin" else rss / 2**20
+    except (ImportError, OSError):
+        return float("nan")
+
+
+class MetricsLog:
+    """Appends metric records to ``metrics.jsonl`` (flushed per line) and TensorBoard."""
+
+    def __init__(self, run_dir: Path, *, tensorboard: bool = True, resume_after: int | None = None):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        if resume_after is not None:
+            self._truncate_after(resume_after)
+        self._fh = open(self.path, "a")
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+            except ImportError:
+                print("tensorboard is not installed: writing metrics.jsonl only", file=sys.stderr)
+
+    def _truncate_after(self, step: int) -> None:
+        """Drop records logged after ``step`` (a resumed run repeats those steps)."""
+        if not self.path.is_file():
+            return
+        kept = [
+            line for line in self.path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step
+        ]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, record: dict) -> None:
+        self._fh.write(json.dumps(record) + "\n")
+        self._fh.flush()
+        if self._tb is not None:
+            kind, step = record.get("kind", "train"), record["step"]
+            for key, value in record.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
+                    self._tb.add_scalar(f"{kind}/{key}", value, step)
+                elif isinstance(value, dict):
+                    for sub, v in value.items():
+                        if isinstance(v, (int, float)):
+                            self._tb.add_scalar(f"{kind}/{key}/{sub}", v, step)
+
+    def close(self) -> None:
+        self._fh.close()
+        if self._tb is not None:
+            self._tb.close()
