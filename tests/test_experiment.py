@@ -1,0 +1,93 @@
+"""Suites: planning, skipping complete runs, resuming interrupted ones, and the report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from aah.config import ConfigError
+from aah.experiment import load_suite, plan_runs, run_state, run_suite
+from aah.experiment.cli import run_experiment
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_suite(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("suite")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for i in range(5):
+        (corpus / f"d{i}.txt").write_text(("to be or not to be, that is the question. " * 30) + str(i))
+    base = {
+        "model": {"n_layers": 1, "d_model": 32, "n_heads": 4},
+        "data": {"corpus": str(corpus), "seq_len": 32, "cache_dir": str(root / "cache"), "val_fraction": 0.3},
+        "aah": {"windows": [8, 16, 32], "control_warmup": 1, "control_interval": 1},
+        "train": {"max_steps": 4, "batch_size": 2, "device": "cpu"},
+        "eval": {"every": 2, "batches": 1},
+        "log": {"every": 1, "tensorboard": False, "progress": False},
+    }
+    configs = root / "configs"
+    configs.mkdir()
+    (configs / "base.yaml").write_text(yaml.safe_dump(base))
+    for regime in ("full_attention", "shallow_freeze"):
+        (configs / f"{regime}.yaml").write_text(yaml.safe_dump({"base": "base.yaml", "aah": {"regime": regime}}))
+    suite = root / "tiny.yaml"
+    suite.write_text(yaml.safe_dump({
+        "name": "tiny", "config_dir": "configs", "regimes": ["full_attention", "shallow_freeze"], "seeds": [0, 1],
+    }))
+    return suite
+
+
+def test_every_shipped_suite_plans_valid_runs(tmp_path):
+    for path in sorted((REPO / "configs" / "suites").glob("*/*.yaml")):
+        suite = load_suite(path)
+        specs = plan_runs(suite, tmp_path)
+        assert len(specs) == len(suite.regimes) * len(suite.seeds), path
+    quick = load_suite(REPO / "configs/suites/cpu/quick.yaml")
+    assert quick.regimes == ("full_attention", "grouping_off", "full_adaptive", "shallow_freeze",
+                             "deep_practical_reuse")
+
+
+def test_unknown_regime_in_a_suite_is_rejected(tmp_path, tiny_suite):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"config_dir": str(tiny_suite.parent / "configs"), "regimes": ["nope"]}))
+    with pytest.raises(ConfigError, match="unknown regime 'nope'"):
+        load_suite(bad)
+
+
+def test_suite_runs_skips_complete_runs_and_reports_seed_statistics(tiny_suite, tmp_path, capsys):
+    out = tmp_path / "out"
+    code = run_experiment(str(tiny_suite), str(out), None, 1)
+    assert code == 0
+    specs = plan_runs(load_suite(tiny_suite), out)
+    assert all(run_state(s.run_dir) == "done" for s in specs)
+    report = (out / "report" / "report.md").read_text()
+    assert "Full attention" in report and "Shallow freeze" in report
+    printed = capsys.readouterr().out
+    assert "Shallow freeze" in printed and "report:" in printed
+    stamps = {s.run_dir: (s.run_dir / "eval.json").stat().st_mtime_ns for s in specs}
+    _, failures = run_suite(load_suite(tiny_suite), out)
+    assert not failures
+    assert all((d / "eval.json").stat().st_mtime_ns == t for d, t in stamps.items()), "complete runs re-ran"
+    meta = json.loads((specs[0].run_dir / "meta.json").read_text())
+    assert meta["seed"] == specs[0].seed
+
+
+def test_interrupted_run_is_resumed_not_restarted(tiny_suite, tmp_path):
+    out = tmp_path / "out"
+    suite = load_suite(tiny_suite)
+    run_suite(suite, out, seeds=(0,))
+    spec = plan_runs(suite, out, seeds=(0,))[1]
+    meta_path = spec.run_dir / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["status"] = "interrupted"
+    meta_path.write_text(json.dumps(meta))
+    (spec.run_dir / "eval.json").unlink()
+    assert run_state(spec.run_dir) == "resume"
+    run_suite(suite, out, seeds=(0,))
+    assert run_state(spec.run_dir) == "done"
+    assert json.loads(meta_path.read_text())["resumed_from"] == 4
