@@ -6,6 +6,7 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -181,8 +182,12 @@ def test_torchrun_two_processes_share_windows_and_match_single_process(corpus, t
     train(load_config(cfg_path, overrides), single)
     ddp = tmp_path / "ddp"
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    with socket.socket() as sock:  # a free port, so parallel test runs do not collide
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29533",
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+        "--master-port", str(port),
         "-m", "aah.cli", "train", str(cfg_path), *overrides, "--out", str(ddp),
     ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
