@@ -24,13 +24,6 @@ from ..windows import acr, candidate_windows, causal_coverage
 __all__ = ["bench_train", "add_command"]
 
 
-def _pin_windows(model: GPT, windows: tuple[int, ...]) -> None:
-    for ctrl in model.controllers():
-        index = torch.tensor([ctrl.candidates.index(w) for w in windows], dtype=torch.long)
-        ctrl.resolution_index.copy_(index)
-        ctrl._window_cache.clear()
-
-
 def bench_train(
     *,
     seq_len: int = 1024,
@@ -63,7 +56,8 @@ def bench_train(
     full = GPT(cfg).to(dev)
     torch.manual_seed(0)
     aah = GPT(cfg, ControllerConfig(windows=candidates, scoring="none")).to(dev)
-    _pin_windows(aah, windows)
+    for ctrl in aah.controllers():
+        ctrl.pin_windows(windows)
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=gen).to(dev)
     models = {"full": full, "aah": aah}

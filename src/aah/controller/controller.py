@@ -157,6 +157,7 @@ class HeadController(nn.Module):
         self._window_cache: dict[int, tuple[int, ...]] = {}
         self._last_update_step = -1
         self._has_topology = False
+        self._decided = False
         self.last_decision: Decision | None = None
         self.register_load_state_dict_post_hook(lambda module, _incompatible: module._refresh_mirrors())
 
@@ -169,6 +170,7 @@ class HeadController(nn.Module):
         self._window_cache.clear()
         self._last_update_step = int(self.last_update_step)
         self._has_topology = bool(self.topology[0, 0] >= 0)
+        self._decided = bool(self.num_updates > 0)
 
     def control_due(self) -> bool:
         """Whether the current step is a control-update step not yet acted on."""
@@ -203,7 +205,10 @@ class HeadController(nn.Module):
         """Cached execution windows ``clamp(W[c~_h], W_min, T)`` for length ``seq_len``."""
         cached = self._window_cache.get(seq_len)
         if cached is None:
-            cached = execution_windows(self.resolution_index, self.candidates, self.min_window, seq_len)
+            if self._decided:
+                cached = execution_windows(self.resolution_index, self.candidates, self.min_window, seq_len)
+            else:  # before the first decision: ordinary full causal attention (section 5.8)
+                cached = (seq_len,) * self.num_heads
             self._window_cache[seq_len] = cached
         return cached
 
@@ -363,9 +368,24 @@ class HeadController(nn.Module):
         self.resolution_index.copy_(decision.smoothed_index.to(self.resolution_index.device))
         self.windows.copy_(torch.tensor(decision.windows, dtype=torch.long))
         self.num_updates += 1
+        self._decided = True
         self._mark_step()
         self._window_cache.clear()
         self.last_decision = decision
+
+    @torch.no_grad()
+    def pin_windows(self, windows: tuple[int, ...]) -> None:
+        """Force these execution windows (each must be a candidate), e.g. for benchmarks."""
+        if len(windows) != self.num_heads:
+            raise ValueError(f"need {self.num_heads} windows, got {len(windows)}")
+        missing = sorted(set(windows) - set(self.candidates))
+        if missing:
+            raise ValueError(f"windows {missing} are not candidates {list(self.candidates)}")
+        index = torch.tensor([self.candidates.index(w) for w in windows], dtype=torch.long)
+        self.resolution_index.copy_(index)
+        self.windows.copy_(torch.tensor(windows, dtype=torch.long))
+        self._decided = True
+        self._window_cache.clear()
 
     def _mark_step(self) -> None:
         self.last_update_step.fill_(self.step)

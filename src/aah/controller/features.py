@@ -68,7 +68,8 @@ def sample_query_positions(seq_len: int, num_queries: int, start: int) -> torch.
     """Evenly spaced query positions in ``[start, seq_len - 1]``, always including the last one."""
     start = max(0, min(start, seq_len - 1))
     count = min(num_queries, seq_len - start)
-    return torch.linspace(start, seq_len - 1, count).round().long().unique()
+    # Walk back from the last position so that a single sample is the last one.
+    return torch.linspace(seq_len - 1, start, count).round().long().unique()
 
 
 @torch.no_grad()
