@@ -7,7 +7,6 @@ report's main table and where the figures are.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from .experiment.cli import run_experiment

@@ -23,6 +23,13 @@ from ..model import GPT
 from ..train.checkpoint import checkpoint_dir, latest_checkpoint, list_checkpoints, load_checkpoint
 from ..train.distributed import DistInfo
 from ..train.run_dir import write_json_atomic
+from ..train.setup import (
+    autocast_context,
+    data_from_config,
+    model_from_config,
+    resolve_device,
+    window_buckets,
+)
 
 __all__ = ["validation_loss", "evaluate_run", "eval_filename"]
 
@@ -100,8 +107,6 @@ def evaluate_run(
     write: bool = True,
 ) -> dict:
     """Evaluate a checkpoint of ``run_dir`` and (by default) write ``eval.json``."""
-    from ..train.setup import autocast_context, data_from_config, model_from_config, resolve_device, window_buckets
-
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise FileNotFoundError(f"{run_dir} is not a run folder (no config.yaml)")

@@ -87,7 +87,7 @@ class MetricsLog:
         self.path = Path(run_dir) / "metrics.jsonl"
         if resume_after is not None:
             self._truncate_after(resume_after)
-        self._fh = open(self.path, "a")
+        self._fh = open(self.path, "a")  # noqa: SIM115 - kept open for the whole run, closed in close()
         self._tb = None
         if tensorboard:
             try:

@@ -29,10 +29,22 @@ from .. import __version__
 from ..config import RunConfig, config_to_dict, save_config
 from ..evaluate.core import validation_loss
 from ..model import GPT
-from .checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from .distributed import DistInfo, all_reduce_mean, init_distributed, shutdown, wrap_model
 from .run_dir import MetricsLog, git_commit, now_iso, peak_memory_mb, update_meta
-from .setup import autocast_context, data_from_config, model_from_config, resolve_device, window_buckets
+from .setup import (
+    autocast_context,
+    data_from_config,
+    model_from_config,
+    resolve_device,
+    window_buckets,
+)
 
 __all__ = ["TrainResult", "TrainingStopped", "train", "lr_at", "param_groups"]
 
@@ -80,10 +92,8 @@ class _StopFlag:
 
     def __enter__(self) -> _StopFlag:
         for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
+            with contextlib.suppress(ValueError):  # not the main thread: no handler
                 self._previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread
-                pass
         return self
 
     def _handle(self, signum, frame) -> None:
@@ -347,7 +357,5 @@ class _Training:
                   "backend": ",".join(self.model.backends_used()), "train_time_s": self.train_time}
         if message:
             fields["message"] = message
-        try:
+        with contextlib.suppress(OSError):  # a full disk must not hide the original error
             update_meta(self.run_dir, **fields)
-        except OSError:
-            pass
