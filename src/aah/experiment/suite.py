@@ -16,10 +16,12 @@ resumed; anything else starts fresh. The report is written to ``OUT/report``.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +44,7 @@ class RunSpec:
     config: Path
     overrides: tuple[str, ...]
     run_dir: Path
+    max_steps: int
 
     @property
     def name(self) -> str:
@@ -112,8 +115,10 @@ def plan_runs(suite: Suite, out_dir: Path, seeds: tuple[int, ...] | None = None,
                 f"train.seed={seed}",
             )
             config = suite.config_dir / f"{regime}.yaml"
-            load_config(config, overrides)  # fail early, naming the key
-            specs.append(RunSpec(regime, seed, config, overrides, out_dir / regime / f"seed{seed}"))
+            cfg = load_config(config, overrides)  # fail early, naming the key
+            specs.append(
+                RunSpec(regime, seed, config, overrides, out_dir / regime / f"seed{seed}", cfg.train.max_steps)
+            )
     return specs
 
 
@@ -171,14 +176,44 @@ def run_suite(
     cores = os.cpu_count() or 1
     threads = max(1, cores // max(1, jobs))
     failures = []
-    states = {spec: run_state(spec.run_dir) for spec in specs}
-    pending = [s for s in specs if states[s] != "done"]
-    bar = tqdm(total=len(specs), initial=len(specs) - len(pending), desc=f"suite {suite.name}", unit="run")
-    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        for spec, code, log in pool.map(lambda s: _execute(s, threads), pending):
-            bar.update(1)
-            bar.set_postfix_str(f"{spec.name} {'ok' if code == 0 else 'FAILED'}")
-            if code != 0:
-                failures.append((spec, code, log))
-    bar.close()
+    pending = [s for s in specs if run_state(s.run_dir) != "done"]
+    total_steps = sum(s.max_steps for s in specs)
+    bar = tqdm(total=total_steps, desc=f"suite {suite.name}", unit="step", dynamic_ncols=True)
+    stop = threading.Event()
+
+    def monitor() -> None:
+        while not stop.wait(1.0):
+            bar.n = sum(min(s.max_steps, _logged_step(s.run_dir)) for s in specs)
+            bar.refresh()
+
+    watcher = threading.Thread(target=monitor, daemon=True)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            for spec, code, log in pool.map(lambda s: _execute(s, threads), pending):
+                bar.set_postfix_str(f"{spec.name} {'ok' if code == 0 else 'FAILED'}")
+                if code != 0:
+                    failures.append((spec, code, log))
+    finally:
+        stop.set()
+        watcher.join()
+        bar.n = sum(min(s.max_steps, _logged_step(s.run_dir)) for s in specs)
+        bar.close()
     return specs, failures
+
+
+def _logged_step(run_dir: Path) -> int:
+    """The last step a run logged (0 when it has not logged yet)."""
+    path = run_dir / "metrics.jsonl"
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, path.stat().st_size - 4096))
+            lines = fh.read().decode(errors="replace").strip().splitlines()
+    except OSError:
+        return 0
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return 0
