@@ -149,7 +149,7 @@ def _command(spec: RunSpec, state: str) -> list[list[str]]:
 
 def _execute(spec: RunSpec, threads: int) -> tuple[RunSpec, int, str]:
     state = run_state(spec.run_dir)
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), AAH_TORCH_THREADS=str(threads))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     spec.run_dir.parent.mkdir(parents=True, exist_ok=True)
     log_path = spec.run_dir.parent / f"seed{spec.seed}.log"
     for cmd in _command(spec, state):
