@@ -54,6 +54,9 @@ def _run(args: argparse.Namespace) -> int:
     except TrainingStopped as exc:
         print(f"aah train: {exc}", file=sys.stderr)
         return 1
+    except (FileNotFoundError, ImportError) as exc:  # a missing corpus or tokenizer package
+        print(f"aah train: {exc}", file=sys.stderr)
+        return 2
     print(f"{result.status} at step {result.step}; run folder: {result.run_dir}")
     return 0 if result.status == "complete" else 130
 
