@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .backends import attend, resolve_backend
+from .cache import LayerKVCache
 from .controller import ControllerConfig, HeadController
 
 __all__ = ["AAHAttention", "RotaryEmbedding"]
@@ -30,10 +31,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` of shape (B, H, T, D)."""
+    def forward(self, x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+        """Rotate ``x`` of shape (B, H, T, D) whose positions are ``offset .. offset + T - 1``."""
         t = x.shape[2]
-        cos, sin = self.cos[:t].to(x.dtype), self.sin[:t].to(x.dtype)
+        if offset < 0 or offset + t > self.cos.shape[0]:
+            raise ValueError(
+                f"rotary positions {offset}..{offset + t - 1} are outside the table of "
+                f"{self.cos.shape[0]} positions"
+            )
+        cos = self.cos[offset : offset + t].to(x.dtype)
+        sin = self.sin[offset : offset + t].to(x.dtype)
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
@@ -86,17 +93,26 @@ class AAHAttention(nn.Module):
         self.backends_used: set[str] = set()
         self.last_windows: tuple[int, ...] = ()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, cache: LayerKVCache | None = None) -> torch.Tensor:
+        """Attention output (B, T, d_model) of ``x`` (B, T, d_model).
+
+        With ``cache`` (see :mod:`aah.cache`), ``x`` holds the positions that
+        follow the cached prefix; the cache supplies the earlier keys and values
+        and the frozen windows, and stores the new ones.
+        """
         b, t, _ = x.shape
-        if t > self.max_seq_len:
-            raise ValueError(f"sequence length {t} exceeds max_seq_len {self.max_seq_len}")
+        offset = 0 if cache is None else cache.length
+        if offset + t > self.max_seq_len:
+            raise ValueError(f"sequence length {offset + t} exceeds max_seq_len {self.max_seq_len}")
         h, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self.qkv(x).split([h * d, h_kv * d, h_kv * d], dim=-1)
         q = q.view(b, t, h, d).transpose(1, 2)
         k = k.view(b, t, h_kv, d).transpose(1, 2)
         v = v.view(b, t, h_kv, d).transpose(1, 2)
         if self.rotary is not None:
-            q, k = self.rotary(q), self.rotary(k)
+            q, k = self.rotary(q, offset), self.rotary(k, offset)
+        if cache is not None:
+            return self._cached_forward(q, k, v, cache)
         if self.aah_state is not None:
             windows = self.aah_state.windows_for(q, k, v)
         else:
@@ -104,6 +120,32 @@ class AAHAttention(nn.Module):
         backend = self._backend_for(x)
         y = attend(q, k, v, windows, backend=backend)
         self.last_windows = windows
+        return self.out(y.transpose(1, 2).reshape(b, t, h * d))
+
+    def check_cache(self, cache: LayerKVCache) -> None:
+        """Raise ``ValueError`` unless ``cache`` fits this layer and holds its current windows."""
+        layout = (self.num_heads, self.num_kv_heads, self.head_dim)
+        if (cache.num_heads, cache.num_kv_heads, cache.head_dim) != layout:
+            raise ValueError(
+                f"cache layout ({cache.num_heads} heads, {cache.num_kv_heads} KV heads, head dim "
+                f"{cache.head_dim}) does not match layer {self.layer_idx} ({layout[0]} heads, "
+                f"{layout[1]} KV heads, head dim {layout[2]})"
+            )
+        windows = self.current_windows(cache.max_len)
+        if windows != cache.windows:
+            raise ValueError(
+                f"layer {self.layer_idx}: the windows changed since the cache was created "
+                f"({list(cache.windows)} -> {list(windows)}); create a new cache"
+            )
+
+    def _cached_forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache
+    ) -> torch.Tensor:
+        b, h, t, d = q.shape
+        self.check_cache(cache)
+        backend = self._backend_for(q) if cache.length == 0 else "dense"
+        y = cache.update_and_attend(q, k, v, backend=backend)
+        self.last_windows = cache.windows
         return self.out(y.transpose(1, 2).reshape(b, t, h * d))
 
     def _backend_for(self, x: torch.Tensor) -> str:

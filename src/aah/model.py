@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .attention import AAHAttention
+from .cache import LayerKVCache, WindowKVCache
 from .controller import ControllerConfig, HeadController
 from .windows import acr, causal_coverage
 
@@ -125,8 +126,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.norm1(x)))
+    def forward(self, x: torch.Tensor, *, cache: LayerKVCache | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.norm1(x), cache=cache))
         return x + self.dropout(self.mlp(self.norm2(x)))
 
 
@@ -163,23 +164,65 @@ class GPT(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        cache: WindowKVCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits (B, T, V) and, with ``targets``, the mean next-token cross-entropy."""
+        """Logits (B, T, V) and, with ``targets``, the mean next-token cross-entropy.
+
+        With ``cache`` (from :meth:`new_cache`), ``idx`` holds the next token(s)
+        after the cached prefix, at absolute positions ``cache.length ..``; the
+        first call may pass the whole prompt (prefill). Inference only: the
+        model must be in evaluation mode. See :mod:`aah.cache`.
+        """
+        if idx.dim() != 2:
+            raise ValueError(f"idx must have shape (batch, length), got {tuple(idx.shape)}")
         b, t = idx.shape
-        if t > self.config.max_seq_len:
-            raise ValueError(f"sequence length {t} exceeds max_seq_len {self.config.max_seq_len}")
+        offset = 0
+        if cache is not None:
+            self._check_cache(cache)
+            cache.check_step(b, t)
+            offset = cache.length
+        if offset + t > self.config.max_seq_len:
+            raise ValueError(f"sequence length {offset + t} exceeds max_seq_len {self.config.max_seq_len}")
         x = self.embed(idx)
         if self.pos_embed is not None:
-            x = x + self.pos_embed(torch.arange(t, device=idx.device))
+            x = x + self.pos_embed(torch.arange(offset, offset + t, device=idx.device))
         x = self.dropout(x)
-        for block in self.blocks:
-            x = block(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cache=None if cache is None else cache.layers[i])
         logits = self.head(self.norm(x))
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
         return logits, loss
+
+    # ------------------------------------------------------------------ decoding
+    def new_cache(
+        self,
+        batch_size: int,
+        max_len: int | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> WindowKVCache:
+        """An empty per-window KV cache for decoding up to ``max_len`` positions (default max_seq_len).
+
+        The current windows are frozen into the cache; see :mod:`aah.cache`.
+        """
+        return WindowKVCache.for_model(self, batch_size, max_len, dtype=dtype, device=device)
+
+    def _check_cache(self, cache: WindowKVCache) -> None:
+        if not isinstance(cache, WindowKVCache):
+            raise TypeError(f"cache must be a WindowKVCache (see GPT.new_cache), got {type(cache).__name__}")
+        if self.training:
+            raise ValueError("decoding with a cache is inference only; call model.eval() first")
+        if len(cache.layers) != len(self.blocks):
+            raise ValueError(f"the cache has {len(cache.layers)} layers but the model has {len(self.blocks)}")
+        for attn, layer_cache in zip(self.attention_layers(), cache.layers):
+            attn.check_cache(layer_cache)
 
     # ------------------------------------------------------------------ AAH access
     def attention_layers(self) -> list[AAHAttention]:

@@ -1,0 +1,375 @@
+"""A key/value cache for decoding whose memory follows the per-head windows (paper section 5.8).
+
+Windowed execution (section 5.8) means a head with window ``W`` never looks
+further back than ``W - 1`` positions. During autoregressive decoding the cache
+therefore only has to keep, per layer and per KV head, the last few keys and
+values: a ring buffer in which absolute position ``p`` lives in slot
+``p % C``.
+
+Grouped-query attention: the query heads that share a KV head may have
+different windows. The KV head's ring buffer keeps ``C = min(max W of its query
+heads, max_len)`` entries, and every query head masks the buffer to its own
+window. Memory per layer is ``sum over KV heads of C * head_dim * 2 (K and V)
+* batch * bytes per element``; :meth:`WindowKVCache.full_memory_bytes` is what
+an ordinary cache of ``max_len`` entries per KV head would take.
+
+The windows are read from the model once, when the cache is created (at
+length ``max_len``), and frozen: decoding runs in evaluation mode, where the
+head controller never changes its windows. A forward that finds the model's
+windows changed since then raises an error instead of decoding with stale
+windows.
+
+Prefill into an empty cache runs the normal execution path (:func:`aah.attend`
+with the model's backend) and then stores the last ``C`` keys and values of
+each KV head. Every later call (one token per decode step, or a chunk of
+several) attends in plain PyTorch over the ring buffer plus the new keys, with
+a mask built from the absolute positions held in each slot; the order of the
+slots does not matter because softmax is permutation-invariant.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from .backends import attend
+from .windows import window_tuple
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .model import GPT
+
+__all__ = ["LayerKVCache", "WindowKVCache", "kv_capacities", "slot_positions"]
+
+
+def _positive_int(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return value
+
+
+def kv_capacities(windows: Sequence[int], num_kv_heads: int, max_len: int) -> tuple[int, ...]:
+    """Ring-buffer length of every KV head: ``min(max window of its query heads, max_len)``.
+
+    ``windows`` holds one window per query head; query head ``h`` reads KV head
+    ``h // (H // H_kv)`` (the grouping of :func:`aah.attend`).
+    """
+    wins = window_tuple(windows)
+    _positive_int(num_kv_heads, "num_kv_heads")
+    _positive_int(max_len, "max_len")
+    if len(wins) % num_kv_heads:
+        raise ValueError(f"{len(wins)} query heads cannot be split among {num_kv_heads} KV heads")
+    group = len(wins) // num_kv_heads
+    return tuple(min(max(wins[g * group : (g + 1) * group]), max_len) for g in range(num_kv_heads))
+
+
+def slot_positions(length: int, capacity: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Absolute position held by each slot of a ring buffer after ``length`` writes.
+
+    Slot ``s`` holds the latest position ``p < length`` with ``p % capacity == s``;
+    slots never written get a negative value.
+    """
+    slots = torch.arange(capacity, device=device)
+    last = length - 1
+    return last - torch.remainder(last - slots, capacity)
+
+
+@dataclass
+class _Bucket:
+    """KV heads of one layer that share a ring-buffer capacity, stored together."""
+
+    kv_heads: torch.Tensor  # (n,) long: which KV heads of the layer
+    capacity: int
+    windows: torch.Tensor  # (n, group) long: windows of their query heads
+    keys: torch.Tensor  # (B, n, capacity, D)
+    values: torch.Tensor  # (B, n, capacity, D)
+    all_heads: bool  # the bucket is every KV head, in order (no gather needed)
+
+
+class LayerKVCache:
+    """Ring-buffer cache of one attention layer; see the module docstring.
+
+    ``windows`` holds one window per query head (values above ``max_len`` are
+    clamped to it). KV heads with the same capacity share one tensor, so a
+    layer allocates one pair of tensors per distinct capacity.
+    """
+
+    def __init__(
+        self,
+        windows: Sequence[int],
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        batch_size: int,
+        max_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ):
+        self.max_len = _positive_int(max_len, "max_len")
+        self.batch_size = _positive_int(batch_size, "batch_size")
+        self.head_dim = _positive_int(head_dim, "head_dim")
+        self.windows = tuple(min(w, self.max_len) for w in window_tuple(windows))
+        self.capacities = kv_capacities(self.windows, num_kv_heads, self.max_len)
+        self.num_heads = len(self.windows)
+        self.num_kv_heads = num_kv_heads
+        self.group = self.num_heads // num_kv_heads
+        self.dtype = dtype
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        self.length = 0
+        self._buckets: list[_Bucket] = []
+        for cap in sorted(set(self.capacities)):
+            heads = [g for g, c in enumerate(self.capacities) if c == cap]
+            wins = [self.windows[g * self.group : (g + 1) * self.group] for g in heads]
+            shape = (self.batch_size, len(heads), cap, self.head_dim)
+            self._buckets.append(
+                _Bucket(
+                    kv_heads=torch.tensor(heads, dtype=torch.long, device=self.device),
+                    capacity=cap,
+                    windows=torch.tensor(wins, dtype=torch.long, device=self.device),
+                    keys=torch.zeros(shape, dtype=dtype, device=self.device),
+                    values=torch.zeros(shape, dtype=dtype, device=self.device),
+                    all_heads=len(heads) == num_kv_heads,
+                )
+            )
+
+    # ------------------------------------------------------------------ memory
+    def memory_bytes(self) -> int:
+        """Bytes held by the ring buffers (keys and values)."""
+        return sum(b.keys.nbytes + b.values.nbytes for b in self._buckets)
+
+    def full_memory_bytes(self) -> int:
+        """Bytes an ordinary cache of ``max_len`` entries per KV head would take."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_kv_heads * self.max_len * self.head_dim * 2 * self.batch_size * element
+
+    def reset(self) -> None:
+        """Forget every cached position (the buffers are kept and overwritten later)."""
+        self.length = 0
+
+    # ------------------------------------------------------------------ contents
+    def cached(self, kv_head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Keys (B, n, D), values (B, n, D) and absolute positions (n,) held for one KV head, oldest first."""
+        if not 0 <= kv_head < self.num_kv_heads:
+            raise ValueError(f"kv_head must be in [0, {self.num_kv_heads}), got {kv_head}")
+        for bucket in self._buckets:
+            hits = (bucket.kv_heads == kv_head).nonzero()
+            if len(hits):
+                i = int(hits[0, 0])
+                pos = slot_positions(self.length, bucket.capacity, self.device)
+                order = torch.argsort(pos)
+                order = order[pos[order] >= 0]
+                return bucket.keys[:, i, order], bucket.values[:, i, order], pos[order]
+        raise AssertionError("unreachable: every KV head has a bucket")
+
+    # ------------------------------------------------------------------ attention
+    def check_step(self, batch_size: int, num_tokens: int) -> None:
+        """Raise ``ValueError`` unless ``num_tokens`` more positions of ``batch_size`` rows fit."""
+        if batch_size != self.batch_size:
+            raise ValueError(f"the cache was created for batch size {self.batch_size}, got {batch_size}")
+        if num_tokens < 1:
+            raise ValueError("a cached forward needs at least one new token")
+        if self.length + num_tokens > self.max_len:
+            raise ValueError(
+                f"decoding past the cache length: {self.length} cached + {num_tokens} new positions "
+                f"> max_len {self.max_len}"
+            )
+
+    def update_and_attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        backend: str = "dense",
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """Attend ``T`` new queries at positions ``length .. length + T - 1`` and cache their keys.
+
+        ``q`` is (B, H, T, D) and ``k``, ``v`` are (B, H_kv, T, D), already
+        position-encoded at those absolute positions. Returns (B, H, T, D).
+        """
+        b, h, t, d = q.shape
+        if h != self.num_heads or k.shape[1] != self.num_kv_heads or d != self.head_dim:
+            raise ValueError(
+                f"q {tuple(q.shape)} / k {tuple(k.shape)} do not match the cache "
+                f"({self.num_heads} heads, {self.num_kv_heads} KV heads, head dim {self.head_dim})"
+            )
+        if k.shape != v.shape or k.shape[0] != b or k.shape[2] != t:
+            raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} do not match q {tuple(q.shape)}")
+        self.check_step(b, t)
+        scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+        start = self.length
+        if start == 0:
+            # Prefill: the ordinary execution path, windows clamped to the chunk as the model does.
+            y = attend(q, k, v, tuple(min(w, t) for w in self.windows), backend=backend, scale=scale)
+            self._write(k, v, start)
+        elif t == 1:
+            # One decode step: the new key's slot held a position no window reaches any more.
+            self._write(k, v, start)
+            y = self._attend_ring(q, None, None, start, scale)
+        else:
+            y = self._attend_ring(q, k, v, start, scale)
+            self._write(k, v, start)
+        self.length = start + t
+        return y
+
+    def _write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        t = k.shape[2]
+        for bucket in self._buckets:
+            cap = bucket.capacity
+            n = min(t, cap)  # only the last ``cap`` new entries survive
+            slots = torch.remainder(torch.arange(start + t - n, start + t, device=self.device), cap)
+            kb, vb = k[:, :, t - n :], v[:, :, t - n :]
+            if not bucket.all_heads:
+                kb, vb = kb[:, bucket.kv_heads], vb[:, bucket.kv_heads]
+            bucket.keys[:, :, slots] = kb.detach().to(self.dtype)
+            bucket.values[:, :, slots] = vb.detach().to(self.dtype)
+
+    def _attend_ring(
+        self,
+        q: torch.Tensor,
+        k_new: torch.Tensor | None,
+        v_new: torch.Tensor | None,
+        start: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """Masked attention of the new queries over the ring buffer (plus ``k_new``, ``v_new`` if given).
+
+        With ``k_new`` None the new keys must already be in the buffer.
+        """
+        b, h, t, d = q.shape
+        compute = torch.promote_types(q.dtype, torch.float32)
+        qg = q.reshape(b, self.num_kv_heads, self.group, t, d)
+        q_pos = torch.arange(start, start + t, device=self.device)
+        out = None
+        if len(self._buckets) > 1:
+            out = torch.empty(b, self.num_kv_heads, self.group, t, d, dtype=compute, device=q.device)
+        written = start if k_new is not None else start + t
+        for bucket in self._buckets:
+            keys, values = bucket.keys, bucket.values
+            k_pos = slot_positions(written, bucket.capacity, self.device)
+            qb = qg if bucket.all_heads else qg[:, bucket.kv_heads]
+            if k_new is not None:
+                kn, vn = (k_new, v_new) if bucket.all_heads else (k_new[:, bucket.kv_heads], v_new[:, bucket.kv_heads])
+                keys = torch.cat([keys, kn.to(keys.dtype)], dim=2)
+                values = torch.cat([values, vn.to(values.dtype)], dim=2)
+                k_pos = torch.cat([k_pos, q_pos])
+            # allowed[g, j, i, s]: query i of the j-th query head of KV head g may read slot s.
+            dist = q_pos[:, None] - k_pos[None, :]  # (T, S)
+            allowed = (k_pos >= 0)[None, None, None, :] & (dist >= 0)[None, None]
+            allowed = allowed & (dist[None, None] < bucket.windows[:, :, None, None])
+            scores = torch.einsum("bgjtd,bgsd->bgjts", qb.to(compute), keys.to(compute)) * scale
+            scores = scores.masked_fill(~allowed, float("-inf"))
+            yb = torch.einsum("bgjts,bgsd->bgjtd", scores.softmax(dim=-1), values.to(compute))
+            if out is None:  # one bucket holding every KV head in order
+                out = yb
+            else:
+                out[:, bucket.kv_heads] = yb
+        return out.reshape(b, h, t, d).to(q.dtype)
+
+
+class WindowKVCache:
+    """Per-window KV cache of a whole :class:`aah.GPT`: one :class:`LayerKVCache` per attention layer.
+
+    Create it with :meth:`for_model` (or ``GPT.new_cache``) and pass it as
+    ``model(idx, cache=cache)``; each call continues the cached prefix.
+    """
+
+    def __init__(self, layers: Sequence[LayerKVCache]):
+        if not layers:
+            raise ValueError("a WindowKVCache needs at least one layer")
+        first = layers[0]
+        for layer in layers:
+            if (layer.batch_size, layer.max_len) != (first.batch_size, first.max_len):
+                raise ValueError("all layers of a cache must share batch size and max_len")
+        self.layers = list(layers)
+
+    @classmethod
+    def for_model(
+        cls,
+        model: GPT,
+        batch_size: int,
+        max_len: int | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> WindowKVCache:
+        """An empty cache for ``model`` holding up to ``max_len`` positions (default: its max length).
+
+        The windows are the model's current windows at ``max_len``, frozen from
+        now on. ``dtype`` and ``device`` default to those of the model's weights.
+        """
+        limit = model.config.max_seq_len
+        max_len = limit if max_len is None else _positive_int(max_len, "max_len")
+        if max_len > limit:
+            raise ValueError(f"max_len {max_len} exceeds the model's max_seq_len {limit}")
+        weight = model.embed.weight
+        dtype = weight.dtype if dtype is None else dtype
+        device = weight.device if device is None else device
+        layers = [
+            LayerKVCache(
+                attn.current_windows(max_len),
+                attn.num_kv_heads,
+                attn.head_dim,
+                batch_size=batch_size,
+                max_len=max_len,
+                dtype=dtype,
+                device=device,
+            )
+            for attn in model.attention_layers()
+        ]
+        return cls(layers)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def length(self) -> int:
+        """Positions cached so far: the absolute position of the next token."""
+        return self.layers[0].length
+
+    @property
+    def max_len(self) -> int:
+        return self.layers[0].max_len
+
+    @property
+    def batch_size(self) -> int:
+        return self.layers[0].batch_size
+
+    @property
+    def windows(self) -> torch.Tensor:
+        """Frozen windows, LongTensor (layers, query heads)."""
+        return torch.tensor([layer.windows for layer in self.layers], dtype=torch.long)
+
+    @property
+    def capacities(self) -> torch.Tensor:
+        """Ring-buffer lengths, LongTensor (layers, KV heads)."""
+        return torch.tensor([layer.capacities for layer in self.layers], dtype=torch.long)
+
+    def reset(self) -> None:
+        """Empty the cache so that it can serve a new prompt of the same batch size."""
+        for layer in self.layers:
+            layer.reset()
+
+    def check_step(self, batch_size: int, num_tokens: int) -> None:
+        """Raise ``ValueError`` unless ``num_tokens`` more positions fit (checked before any layer runs)."""
+        lengths = {layer.length for layer in self.layers}
+        if len(lengths) != 1:
+            raise ValueError(f"the cache layers disagree on the cached length ({sorted(lengths)}); reset it")
+        self.layers[0].check_step(batch_size, num_tokens)
+
+    # ------------------------------------------------------------------ memory
+    def memory_bytes(self) -> int:
+        """Bytes held by all ring buffers."""
+        return sum(layer.memory_bytes() for layer in self.layers)
+
+    def full_memory_bytes(self) -> int:
+        """Bytes an ordinary full cache of ``max_len`` positions would take."""
+        return sum(layer.full_memory_bytes() for layer in self.layers)
+
+    def __repr__(self) -> str:
+        return (
+            f"WindowKVCache(layers={len(self.layers)}, batch={self.batch_size}, length={self.length}, "
+            f"max_len={self.max_len}, memory={self.memory_bytes()} of {self.full_memory_bytes()} bytes)"
+        )
