@@ -36,7 +36,7 @@ from .checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from .distributed import DistInfo, all_reduce_mean, init_distributed, shutdown, wrap_model
+from .distributed import DistInfo, all_reduce_mean, barrier, init_distributed, shutdown, wrap_model
 from .run_dir import MetricsLog, git_commit, now_iso, peak_memory_mb, update_meta
 from .setup import (
     autocast_context,
@@ -120,7 +120,9 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False) -> Train
     run_dir = Path(run_dir)
     info = init_distributed("cuda" if cfg.train.device != "cpu" and torch.cuda.is_available() else "cpu")
     try:
-        return _Training(cfg, run_dir, info, resume).run()
+        result = _Training(cfg, run_dir, info, resume).run()
+        barrier(info)  # rank 0 may still be writing its checkpoint: leave together
+        return result
     finally:
         shutdown(info)
 
