@@ -313,6 +313,8 @@ def test_bench_attention_reports_times_coverage_and_flops(backward):
     assert banded["causal_coverage"] == pytest.approx(causal_coverage(banded["windows"], t))
     assert banded["flops_ratio"] < 1.0
     assert len(banded["times_ms"]) == 2 and banded["median_ms"] > 0
+    q1, q2, q3 = banded["paired_ratio_quartiles"]
+    assert 0 < q1 <= q2 <= q3
     assert "banded" in format_table(result)
 
 

@@ -8,7 +8,9 @@ given shape:
 * ``median_ms`` and ``ratio_to_sdpa``: time (forward, or forward+backward),
   measured interleaved with the full-causal ``sdpa`` baseline in one process:
   a warm-up, then ``repeats`` rounds that each run every backend once, in an
-  order rotated every round; the median of each backend's rounds is reported;
+  order rotated every round; the median of each backend's rounds, and the
+  ratio of the medians. ``paired_ratio_quartiles`` gives the quartiles of the
+  round-by-round ratios (a noisy machine widens them);
 * ``acr``, ``causal_coverage`` and ``executed_coverage`` (see
   :mod:`aah.windows`);
 * ``counted_flops``: :class:`torch.utils.flop_counter.FlopCounterMode` with
@@ -342,6 +344,10 @@ def bench_attention(
     base = rows[0]
     for row in rows:
         row["ratio_to_sdpa"] = row["median_ms"] / base["median_ms"]
+        # The same ratio round by round (each round times every backend once): its
+        # quartiles show how much of the spread is the machine rather than the backend.
+        paired = sorted(t / b for t, b in zip(row["times_ms"], base["times_ms"]))
+        row["paired_ratio_quartiles"] = _quartiles(paired)
         counted, base_counted = row["counted_flops_causal"], base["counted_flops_causal"]
         row["flops_ratio"] = counted / base_counted if counted is not None and base_counted else None
         row["counted_over_ideal"] = counted / row["ideal_flops"] if counted is not None else None
@@ -366,6 +372,14 @@ def bench_attention(
         },
         "results": rows,
     }
+
+
+def _quartiles(values: list[float]) -> list[float]:
+    """First quartile, median and third quartile (``statistics.quantiles``, inclusive)."""
+    if len(values) == 1:
+        return [values[0]] * 3
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return [q1, q2, q3]
 
 
 def _gflop(x: int | None) -> str:
