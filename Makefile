@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test lint results clean
 
 setup: $(STAMP)
 
@@ -22,8 +22,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest
 
+# Regenerate the report shown in docs/results/ (the quick suite, as make demo runs it).
+results: demo
+	rm -rf docs/results
+	cp -r runs/demo/report docs/results
+
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -103,6 +103,29 @@ def test_resumed_run_matches_uninterrupted_run_exactly(corpus, tmp_path):
     assert steps == sorted(steps), "a resumed run must not duplicate metric lines"
 
 
+def test_killed_run_resumes_to_the_same_end_as_an_uninterrupted_run(corpus, tmp_path):
+    overrides = tiny_overrides(corpus, tmp_path / "cache", steps=60) + ["train.checkpoint_every=4", "eval.every=0"]
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text("{}\n")
+    full = tmp_path / "full"
+    train(load_config(cfg_path, overrides), full)
+
+    killed = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "aah.cli", "train", str(cfg_path), *overrides, "--out", str(killed)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and latest_checkpoint(killed) is None and proc.poll() is None:
+        time.sleep(0.02)
+    proc.kill()  # SIGKILL: no chance to clean up
+    proc.wait(timeout=60)
+    found = latest_checkpoint(killed)
+    assert found is not None
+    resumed = train(load_config(killed / "config.yaml"), killed, resume=True)
+    assert resumed.step == 60
+    a, b = final_train_record(full), final_train_record(killed)
+    assert a["loss"] == b["loss"] and a["windows"] == b["windows"]
+
+
 def test_nan_loss_stops_with_message_and_keeps_last_checkpoint(corpus, tmp_path):
     cfg = load_config(None, tiny_overrides(corpus, tmp_path / "cache", steps=8) + ["optim.lr=1e6", "optim.grad_clip=0"])
     run = tmp_path / "nan"

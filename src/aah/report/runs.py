@@ -227,6 +227,19 @@ class Run:
                 return value
         return self._default(key)
 
+    def train_tokens_per_s(self) -> float | None:
+        """Median ``tokens_per_s`` over the second half of the training lines.
+
+        One logging interval is a few seconds on a CPU and other processes add noise;
+        the median over the settled half of the run is the figure to compare.
+        """
+        values = [v for v in (_number(r.get("tokens_per_s")) for r in self.train) if v is not None]
+        if not values:
+            return None
+        late = sorted(values[len(values) // 2:])
+        mid = len(late) // 2
+        return late[mid] if len(late) % 2 else (late[mid - 1] + late[mid]) / 2
+
     def peak_mem_mb(self) -> float | None:
         """The largest ``peak_mem_mb`` logged during training."""
         values = [v for v in (_number(r.get("peak_mem_mb")) for r in self.train) if v is not None]

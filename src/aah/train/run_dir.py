@@ -101,10 +101,14 @@ class MetricsLog:
         """Drop records logged after ``step`` (a resumed run repeats those steps)."""
         if not self.path.is_file():
             return
-        kept = [
-            line for line in self.path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step
-        ]
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a crash
+            if record.get("step", 0) <= step:
+                kept.append(line)
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, record: dict) -> None:
