@@ -47,6 +47,13 @@ def tiny_overrides(corpus: Path, cache: Path, regime: str = "full_adaptive", ste
     ]
 
 
+def empty_config(folder: Path) -> Path:
+    """A config file with no settings: the command-line tests pass everything as overrides."""
+    path = folder / "cfg.yaml"
+    path.write_text("{}\n")
+    return path
+
+
 def final_train_record(run_dir: Path) -> dict:
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r for r in lines if r["kind"] == "train"][-1]
@@ -105,8 +112,7 @@ def test_resumed_run_matches_uninterrupted_run_exactly(corpus, tmp_path):
 
 def test_killed_run_resumes_to_the_same_end_as_an_uninterrupted_run(corpus, tmp_path):
     overrides = tiny_overrides(corpus, tmp_path / "cache", steps=60) + ["train.checkpoint_every=4", "eval.every=0"]
-    cfg_path = tmp_path / "cfg.yaml"
-    cfg_path.write_text("{}\n")
+    cfg_path = empty_config(tmp_path)
     full = tmp_path / "full"
     train(load_config(cfg_path, overrides), full)
 
@@ -178,8 +184,7 @@ def test_eval_reports_and_never_changes_controller_state(corpus, tmp_path):
 def test_ctrl_c_finishes_step_writes_checkpoint_and_resume_completes(corpus, tmp_path):
     overrides = tiny_overrides(corpus, tmp_path / "cache", steps=400) + ["train.checkpoint_every=0", "eval.every=0"]
     run = tmp_path / "sigint"
-    cfg_path = tmp_path / "cfg.yaml"
-    cfg_path.write_text("{}\n")
+    cfg_path = empty_config(tmp_path)
     cmd = [sys.executable, "-m", "aah.cli", "train", str(cfg_path), *overrides, "--out", str(run)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 60
@@ -199,8 +204,7 @@ def test_ctrl_c_finishes_step_writes_checkpoint_and_resume_completes(corpus, tmp
 @pytest.mark.slow
 def test_torchrun_two_processes_share_windows_and_match_single_process(corpus, tmp_path):
     overrides = tiny_overrides(corpus, tmp_path / "cache", steps=6) + ["train.checkpoint_every=0", "eval.every=0"]
-    cfg_path = tmp_path / "cfg.yaml"
-    cfg_path.write_text("{}\n")
+    cfg_path = empty_config(tmp_path)
     single = tmp_path / "single"
     train(load_config(cfg_path, overrides), single)
     ddp = tmp_path / "ddp"
