@@ -226,3 +226,11 @@ def test_torchrun_two_processes_share_windows_and_match_single_process(corpus, t
     assert all(r["ranks_agree"] for r in records if r["kind"] == "train")
     meta = json.loads((ddp / "meta.json").read_text())
     assert meta["world_size"] == 2
+
+
+def test_compile_option_trains_with_compiled_feed_forward_blocks(corpus, tmp_path):
+    overrides = tiny_overrides(corpus, tmp_path / "cache", steps=4) + ["train.checkpoint_every=0", "eval.every=0"]
+    plain = train(load_config(None, overrides), tmp_path / "plain")
+    compiled = train(load_config(None, [*overrides, "train.compile=true"]), tmp_path / "compiled")
+    assert compiled.status == "complete"
+    assert compiled.last_loss == pytest.approx(plain.last_loss, rel=1e-3)

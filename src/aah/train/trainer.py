@@ -135,7 +135,12 @@ class _Training:
         self.data = data_from_config(cfg, rank=info.rank, world_size=info.world_size, verbose=verbose)
         self.model: GPT = model_from_config(cfg, self.data.tokenizer.vocab_size).to(self.device)
         self.ddp_model = wrap_model(self.model, info, cfg.train.distributed, self.device)
-        self.forward_model = torch.compile(self.ddp_model) if cfg.train.compile else self.ddp_model
+        if cfg.train.compile:
+            # Compile the feed-forward blocks only: the attention path holds the controller's
+            # Python-side schedule (an int step that changes every step would re-trigger
+            # compilation) and backends with their own kernels.
+            for block in self.model.blocks:
+                block.mlp.compile()
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(
             param_groups(self.model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
@@ -253,7 +258,7 @@ class _Training:
                 else contextlib.nullcontext()
             )
             with sync_ctx, self.autocast():
-                _, loss = self.forward_model(x, y)
+                _, loss = self.ddp_model(x, y)
             (loss / accum).backward()
             total += loss.detach().float().item() / accum
             tokens += x.numel()
