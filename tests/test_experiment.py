@@ -91,3 +91,14 @@ def test_interrupted_run_is_resumed_not_restarted(tiny_suite, tmp_path):
     run_suite(suite, out, seeds=(0,))
     assert run_state(spec.run_dir) == "done"
     assert json.loads(meta_path.read_text())["resumed_from"] == 4
+
+
+def test_changed_overrides_do_not_reuse_old_runs(tiny_suite, tmp_path):
+    out = tmp_path / "out"
+    suite = load_suite(tiny_suite)
+    run_suite(suite, out, seeds=(0,))
+    before = {s.run_dir: (s.run_dir / "eval.json").stat().st_mtime_ns for s in plan_runs(suite, out, seeds=(0,))}
+    _, failures = run_suite(suite, out, seeds=(0,), extra_overrides=("optim.lr=0.01",))
+    assert len(failures) == 2
+    assert all("different config" in detail and "optim.lr" in detail for _, _, detail in failures)
+    assert all((d / "eval.json").stat().st_mtime_ns == t for d, t in before.items())

@@ -54,9 +54,13 @@ def empty_config(folder: Path) -> Path:
     return path
 
 
-def final_train_record(run_dir: Path) -> dict:
+def train_records(run_dir: Path) -> list[dict]:
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in lines if r["kind"] == "train"][-1]
+    return [r for r in lines if r["kind"] == "train"]
+
+
+def final_train_record(run_dir: Path) -> dict:
+    return train_records(run_dir)[-1]
 
 
 def test_lr_schedule_warms_up_then_decays_to_floor():
@@ -106,6 +110,8 @@ def test_resumed_run_matches_uninterrupted_run_exactly(corpus, tmp_path):
     a, b = final_train_record(full), final_train_record(part)
     assert a["loss"] == b["loss"]
     assert a["windows"] == b["windows"]
+    after = [(r["step"], r["windows_changed"]) for r in train_records(full) if r["step"] > 8]
+    assert after == [(r["step"], r["windows_changed"]) for r in train_records(part) if r["step"] > 8]
     steps = [json.loads(x)["step"] for x in (part / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(steps), "a resumed run must not duplicate metric lines"
 

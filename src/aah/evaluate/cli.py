@@ -17,12 +17,16 @@ def add_commands(subparsers) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--checkpoint", type=int, default=None, metavar="STEP", help="checkpoint step (default: latest)")
     p.add_argument("--corpus", default=None, help="evaluate on another corpus (written to eval_<corpus>.json)")
-    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--device", default=None, choices=("auto", "cpu", "cuda"),
+                   help="device (default: the run's train.device)")
     p.add_argument("--batches", type=int, default=None, help="max validation batches (default: eval.batches)")
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.batches is not None and args.batches < 1:
+        print(f"aah eval: --batches must be >= 1, got {args.batches}", file=sys.stderr)
+        return 2
     try:
         result = evaluate_run(
             args.run_dir, checkpoint=args.checkpoint, corpus=args.corpus, device=args.device,

@@ -102,7 +102,7 @@ def evaluate_run(
     *,
     checkpoint: int | None = None,
     corpus: str | None = None,
-    device: str = "auto",
+    device: str | None = None,
     max_batches: int | None = None,
     write: bool = True,
 ) -> dict:
@@ -121,7 +121,7 @@ def evaluate_run(
         if not folder.is_dir():
             have = [s for s, _ in list_checkpoints(run_dir)]
             raise FileNotFoundError(f"no checkpoint at step {checkpoint} in {run_dir}; available steps: {have}")
-    dev = resolve_device(device if device != "auto" else cfg.train.device)
+    dev = resolve_device(device if device is not None else cfg.train.device)
     data = data_from_config(cfg, corpus=corpus, verbose=False)
     model = model_from_config(cfg, data.tokenizer.vocab_size)
     load_checkpoint(folder, model, map_location="cpu")
@@ -150,7 +150,8 @@ def evaluate_run(
         "windows": windows.tolist(),
         "candidate_windows": list(model.controllers()[0].candidates) if model.controllers() else [seq_len],
         "levels_used": model.levels_used(),
-        "inference_tokens_per_s": timer[1] / timer[0] if timer[0] > 0 else float("nan"),
+        # None (JSON null) when only the untimed warm-up batch ran.
+        "inference_tokens_per_s": timer[1] / timer[0] if timer[0] > 0 else None,
         "backend": ",".join(backends),
         "device": str(dev),
         "checkpoint_step": step,
@@ -158,7 +159,8 @@ def evaluate_run(
         "seq_len": seq_len,
         "regime": cfg.aah.regime,
         "seed": cfg.train.seed,
-        "val_tokens": batches * (cfg.eval.batch_size or cfg.train.batch_size) * seq_len if batches else None,
+        "val_tokens": _evaluated_blocks(len(data.val), batches, cfg.eval.batch_size or cfg.train.batch_size)
+        * seq_len,
     }
     if write:
         path = run_dir / eval_filename(corpus, cfg.data.corpus)
@@ -167,13 +169,21 @@ def evaluate_run(
     return result
 
 
+def _rate(tokens_per_s: float | None) -> str:
+    return "n/a (one batch: warm-up only)" if tokens_per_s is None else f"{tokens_per_s:.0f} tok/s"
+
+
+def _evaluated_blocks(available: int, max_batches: int | None, batch_size: int) -> int:
+    return available if max_batches is None else min(available, max_batches * batch_size)
+
+
 def print_summary(result: dict, file=sys.stdout) -> None:
     print(
         f"step {result['checkpoint_step']}  corpus {result['corpus']}  backend {result['backend']}  "
         f"device {result['device']}\n"
         f"val loss {result['val_loss']:.4f}  ppl {result['val_ppl']:.2f}  ACR {result['acr']:.4f}  "
         f"causal coverage {result['causal_coverage']:.4f}  executed coverage {result['executed_coverage']:.4f}  "
-        f"inference {result['inference_tokens_per_s']:.0f} tok/s",
+        f"inference {_rate(result['inference_tokens_per_s'])}",
         file=file,
     )
     buckets = "  ".join(f"W={k}: {v:.1%}" for k, v in result["bucket_fractions"].items())

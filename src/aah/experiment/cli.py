@@ -40,8 +40,8 @@ def run_experiment(suite_path: str, out: str | None, seeds, jobs: int, overrides
     except ConfigError as exc:
         print(f"aah experiment: {exc}", file=sys.stderr)
         return 2
-    for spec, code, log in failures:
-        print(f"run {spec.name} failed (exit {code}); see {log}", file=sys.stderr)
+    for spec, code, detail in failures:
+        print(f"run {spec.name} failed (exit {code}): {detail}", file=sys.stderr)
     done = [s.run_dir for s in specs if (s.run_dir / "meta.json").is_file()]
     if not done:
         print("aah experiment: no run produced results", file=sys.stderr)

@@ -30,7 +30,7 @@ import yaml
 from tqdm.auto import tqdm
 
 from .. import regimes as regime_registry
-from ..config import ConfigError, load_config
+from ..config import ConfigError, config_to_dict, load_config
 from ..train.checkpoint import latest_checkpoint
 from ..train.run_dir import read_meta
 
@@ -45,6 +45,7 @@ class RunSpec:
     overrides: tuple[str, ...]
     run_dir: Path
     max_steps: int
+    resolved: dict = field(default_factory=dict, compare=False, repr=False)  # the run's full config
 
     @property
     def name(self) -> str:
@@ -117,9 +118,33 @@ def plan_runs(suite: Suite, out_dir: Path, seeds: tuple[int, ...] | None = None,
             config = suite.config_dir / f"{regime}.yaml"
             cfg = load_config(config, overrides)  # fail early, naming the key
             specs.append(
-                RunSpec(regime, seed, config, overrides, out_dir / regime / f"seed{seed}", cfg.train.max_steps)
+                RunSpec(regime, seed, config, overrides, out_dir / regime / f"seed{seed}", cfg.train.max_steps,
+                        config_to_dict(cfg))
             )
     return specs
+
+
+def config_mismatch(spec: RunSpec) -> str | None:
+    """Why an existing run folder does not belong to this plan (``None`` when it does).
+
+    A run is only skipped or resumed when its saved config equals the planned one
+    (logging settings aside): otherwise changed overrides would be silently ignored.
+    """
+    saved_path = spec.run_dir / "config.yaml"
+    if not saved_path.is_file() or not spec.resolved:
+        return None
+    saved = config_to_dict(load_config(saved_path))
+    keys = [
+        f"{section}.{key}"
+        for section, values in spec.resolved.items() if section != "log"
+        for key, value in values.items() if saved.get(section, {}).get(key) != value
+    ]
+    if not keys:
+        return None
+    return (
+        f"{spec.run_dir} was trained with a different config ({', '.join(keys[:5])} differ); "
+        "remove it or choose another --out"
+    )
 
 
 def run_state(run_dir: Path) -> str:
@@ -149,6 +174,9 @@ def _command(spec: RunSpec, state: str) -> list[list[str]]:
 
 def _execute(spec: RunSpec, threads: int) -> tuple[RunSpec, int, str]:
     state = run_state(spec.run_dir)
+    mismatch = config_mismatch(spec) if state != "fresh" else None
+    if mismatch:
+        return spec, 2, mismatch
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     spec.run_dir.parent.mkdir(parents=True, exist_ok=True)
     log_path = spec.run_dir.parent / f"seed{spec.seed}.log"
@@ -158,8 +186,8 @@ def _execute(spec: RunSpec, threads: int) -> tuple[RunSpec, int, str]:
             log.flush()
             code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         if code != 0:
-            return spec, code, str(log_path)
-    return spec, 0, str(log_path)
+            return spec, code, f"see {log_path}"
+    return spec, 0, f"see {log_path}"
 
 
 def run_suite(
@@ -170,13 +198,13 @@ def run_suite(
     jobs: int = 1,
     extra_overrides: tuple[str, ...] = (),
 ) -> tuple[list[RunSpec], list[tuple[RunSpec, int, str]]]:
-    """Run every pending (regime, seed); returns the plan and the failures (spec, code, log)."""
+    """Run every pending (regime, seed); returns the plan and the failures (spec, code, detail)."""
     out_dir = Path(out_dir)
     specs = plan_runs(suite, out_dir, seeds, extra_overrides)
     cores = os.cpu_count() or 1
     threads = max(1, cores // max(1, jobs))
     failures = []
-    pending = [s for s in specs if run_state(s.run_dir) != "done"]
+    pending = [s for s in specs if run_state(s.run_dir) != "done" or config_mismatch(s)]
     total_steps = sum(s.max_steps for s in specs)
     bar = tqdm(total=total_steps, desc=f"suite {suite.name}", unit="step", dynamic_ncols=True)
     stop = threading.Event()

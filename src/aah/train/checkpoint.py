@@ -70,7 +70,7 @@ def rng_state() -> dict:
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()  # this process's device only
     return state
 
 
@@ -79,7 +79,7 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, train_state: dict) -> Path:

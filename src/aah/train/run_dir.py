@@ -93,7 +93,9 @@ class MetricsLog:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+                # On resume, drop events logged after the checkpoint so curves do not overlap.
+                purge = None if resume_after is None else resume_after + 1
+                self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"), purge_step=purge)
             except ImportError:
                 print("tensorboard is not installed: writing metrics.jsonl only", file=sys.stderr)
 
@@ -109,7 +111,9 @@ class MetricsLog:
                 continue  # a line cut short by a crash
             if record.get("step", 0) <= step:
                 kept.append(line)
-        self.path.write_text("".join(line + "\n" for line in kept))
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.path)
 
     def write(self, record: dict) -> None:
         self._fh.write(json.dumps(record) + "\n")

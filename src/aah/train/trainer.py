@@ -130,6 +130,11 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False) -> Train
 class _Training:
     def __init__(self, cfg: RunConfig, run_dir: Path, info: DistInfo, resume: bool):
         self.cfg, self.run_dir, self.info = cfg, run_dir, info
+        if info.enabled and cfg.train.distributed == "fsdp":
+            raise TrainingStopped(
+                "train.distributed=fsdp: checkpoints of a sharded model are not implemented yet; "
+                "use train.distributed=ddp"
+            )
         self.device = resolve_device(cfg.train.device, info.local_rank)
         verbose = info.is_main
         self.data = data_from_config(cfg, rank=info.rank, world_size=info.world_size, verbose=verbose)
@@ -151,7 +156,8 @@ class _Training:
         self.train_time = 0.0
         self.tokens_since_log = 0
         self.time_since_log = 0.0
-        self.last_logged_windows: torch.Tensor | None = None
+        # Windows of the previous metrics record; the run starts at full windows.
+        self.last_logged_windows: torch.Tensor = self.model.aah_windows(cfg.data.seq_len)
         if resume:
             self._resume()
         elif info.is_main:
@@ -161,6 +167,13 @@ class _Training:
             if info.is_main else None
         )
         self.checkpoint_steps = _checkpoint_steps(cfg)
+        ctrls = self.model.controllers()
+        if ctrls and ctrls[0].config.scoring != "none" and cfg.train.max_steps <= ctrls[0].config.control_warmup:
+            print(
+                f"warning: train.max_steps ({cfg.train.max_steps}) <= the control warmup "
+                f"({ctrls[0].config.control_warmup}): the controller never acts and every window stays full",
+                file=sys.stderr,
+            )
 
     # ------------------------------------------------------------------ run folder
     def _start_run_dir(self) -> None:
@@ -196,6 +209,7 @@ class _Training:
         set_rng_state(state["rng"])
         self.step = step
         self.train_time = state.get("train_time", 0.0)
+        self.last_logged_windows = state.get("last_logged_windows", self.last_logged_windows)
         if self.info.is_main:
             update_meta(self.run_dir, status="running", resumed_from=step, end_time=None)
             print(f"resuming {self.run_dir} from step {step}", file=sys.stderr)
@@ -220,13 +234,21 @@ class _Training:
                                         acr=f"{record['acr']:.3f}")
                     if cfg.eval.every > 0 and self.step % cfg.eval.every == 0:
                         self._periodic_eval()
-                    if self.step in self.checkpoint_steps or stop.requested:
+                    # Every rank acts on a stop request that reached any of them, at the same step.
+                    stopping = self._any_rank(stop.requested)
+                    if self.step in self.checkpoint_steps or stopping:
                         self._checkpoint()
-                    if stop.requested and self.step < t.max_steps:
+                    if stopping and self.step < t.max_steps:
                         status = "interrupted"
                         break
         except TrainingStopped as exc:
             self._finish("failed", str(exc))
+            raise
+        except KeyboardInterrupt:
+            self._finish("interrupted", "stopped at once by a second interrupt; resume from the last checkpoint")
+            raise
+        except BaseException as exc:
+            self._finish("failed", f"{type(exc).__name__}: {exc}")
             raise
         finally:
             bar.close()
@@ -290,7 +312,7 @@ class _Training:
         t = self.cfg.data.seq_len
         cov = self.model.coverage(t)
         windows = self.model.aah_windows(t)
-        changed = 0 if self.last_logged_windows is None else int((windows != self.last_logged_windows).sum())
+        changed = int((windows != self.last_logged_windows).sum())
         self.last_logged_windows = windows
         record = {
             "kind": "train",
@@ -337,15 +359,34 @@ class _Training:
                                 "val_ppl": math.exp(min(loss, 50.0))})
 
     # ------------------------------------------------------------------ checkpoints
+    def _any_rank(self, flag: bool) -> bool:
+        """``flag`` OR-ed over all ranks (the flag itself in one process)."""
+        if not self.info.enabled:
+            return flag
+        import torch.distributed as dist
+
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item() > 0)
+
     def _checkpoint(self) -> None:
-        if not self.info.is_main:
-            return
+        error = None
+        if self.info.is_main:
+            try:
+                self._write_checkpoint()
+            except TrainingStopped as exc:
+                error = exc
+        if self._any_rank(error is not None):  # all ranks stop together, none waits forever
+            raise error or TrainingStopped(f"rank 0 could not write the checkpoint of step {self.step}")
+
+    def _write_checkpoint(self) -> None:
         state = {
             "step": self.step,
             "optimizer": self.optimizer.state_dict(),
             "data": self.data.train.state_dict(),
             "rng": rng_state(),
             "train_time": self.train_time,
+            "last_logged_windows": self.last_logged_windows,
             "config": config_to_dict(self.cfg),
         }
         try:
