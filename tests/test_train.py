@@ -19,7 +19,7 @@ from aah.config import load_config
 from aah.evaluate import evaluate_run
 from aah.train import TrainingStopped, lr_at, train
 from aah.train import checkpoint as ckpt
-from aah.train.checkpoint import latest_checkpoint, list_checkpoints
+from aah.train.checkpoint import checkpoint_dir, latest_checkpoint, list_checkpoints
 
 TEXT = (
     "Now is the winter of our discontent made glorious summer by this sun of York; "
@@ -240,3 +240,42 @@ def test_compile_option_trains_with_compiled_feed_forward_blocks(corpus, tmp_pat
     compiled = train(load_config(None, [*overrides, "train.compile=true"]), tmp_path / "compiled")
     assert compiled.status == "complete"
     assert compiled.last_loss == pytest.approx(plain.last_loss, rel=1e-3)
+
+
+def _torchrun(cfg_path: Path, args: list[str]) -> subprocess.CompletedProcess:
+    with socket.socket() as sock:  # a free port, so parallel test runs do not collide
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+        "--master-port", str(port), "-m", "aah.cli", "train", *args,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.mark.slow
+def test_fsdp_checkpoints_resume_exactly_and_match_single_process(corpus, tmp_path):
+    overrides = tiny_overrides(corpus, tmp_path / "cache", steps=8) + [
+        "train.checkpoint_every=4", "eval.every=0", "train.distributed=fsdp",
+    ]
+    cfg_path = empty_config(tmp_path)
+    single = tmp_path / "single"
+    train(load_config(cfg_path, overrides), single)
+    fsdp = tmp_path / "fsdp"
+    done = _torchrun(cfg_path, [str(cfg_path), *overrides, "--out", str(fsdp)])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [s for s, _ in list_checkpoints(fsdp)] == [4, 8]
+    a, b = final_train_record(single), final_train_record(fsdp)
+    assert a["windows"] == b["windows"]
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)
+
+    import shutil
+
+    shutil.rmtree(checkpoint_dir(fsdp, 8))
+    done = _torchrun(cfg_path, ["--resume", str(fsdp)])
+    assert done.returncode == 0, done.stdout + done.stderr
+    c = final_train_record(fsdp)
+    assert c["loss"] == pytest.approx(b["loss"], rel=1e-6) and c["windows"] == b["windows"]
+    # The gathered checkpoint loads into a plain single-process model too.
+    assert evaluate_run(fsdp, device="cpu")["checkpoint_step"] == 8

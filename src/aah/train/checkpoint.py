@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_file, load_model, save_file, save_model
 
 __all__ = [
     "checkpoint_dir",
@@ -33,6 +33,8 @@ __all__ = [
     "load_checkpoint",
     "rng_state",
     "set_rng_state",
+    "full_state_dicts",
+    "load_sharded_checkpoint",
 ]
 
 MODEL_FILE = "model.safetensors"
@@ -82,8 +84,13 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, train_state: dict) -> Path:
-    """Write the checkpoint of ``step`` atomically and return its folder."""
+def save_checkpoint(
+    run_dir: Path, step: int, model: torch.nn.Module | dict[str, torch.Tensor], train_state: dict
+) -> Path:
+    """Write the checkpoint of ``step`` atomically and return its folder.
+
+    ``model`` is a module, or (for a sharded model) its gathered full state dict.
+    """
     final = checkpoint_dir(run_dir, step)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
@@ -91,7 +98,10 @@ def save_checkpoint(run_dir: Path, step: int, model: torch.nn.Module, train_stat
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        save_model(model, str(tmp / MODEL_FILE))
+        if isinstance(model, dict):
+            save_file(_without_shared(model), str(tmp / MODEL_FILE))
+        else:
+            save_model(model, str(tmp / MODEL_FILE))
         torch.save(train_state, tmp / STATE_FILE)
         (tmp / INFO_FILE).write_text(json.dumps({"step": step, "time": time.time()}) + "\n")
         for f in tmp.iterdir():
@@ -119,3 +129,58 @@ def load_checkpoint(folder: Path, model: torch.nn.Module, *, map_location: str |
         )
     state_path = folder / STATE_FILE
     return torch.load(state_path, map_location=map_location, weights_only=False) if state_path.is_file() else {}
+
+
+def _without_shared(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Keep the first name of tensors that share storage (tied embeddings), contiguous."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in weights.items():
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr in seen:
+            continue
+        seen.add(ptr)
+        out[name] = tensor.contiguous()
+    return out
+
+
+def full_state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Gather full (unsharded) model and optimizer state dicts on CPU: a collective, every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(model, options=options)
+    # Tied parameters (the output head shares the embedding) are stored once, under their
+    # first name, as safetensors' save_model does for an unsharded model.
+    first: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            weights.pop(name, None)
+        else:
+            first[id(param)] = name
+    return weights, get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def load_sharded_checkpoint(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """Load a checkpoint into an FSDP2-sharded model and its optimizer (every rank calls it)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    folder = Path(folder)
+    weights = load_file(str(folder / MODEL_FILE))
+    state = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=False)
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(model, weights, options=options)
+    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+    for module in model.modules():  # buffers changed under the controllers' Python-side caches
+        refresh = getattr(module, "refresh_from_buffers", None)
+        if callable(refresh):
+            refresh()
+    return state

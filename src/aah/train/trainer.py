@@ -30,8 +30,10 @@ from ..config import RunConfig, config_to_dict, save_config
 from ..evaluate.core import validation_loss
 from ..model import GPT
 from .checkpoint import (
+    full_state_dicts,
     latest_checkpoint,
     load_checkpoint,
+    load_sharded_checkpoint,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -130,11 +132,8 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False) -> Train
 class _Training:
     def __init__(self, cfg: RunConfig, run_dir: Path, info: DistInfo, resume: bool):
         self.cfg, self.run_dir, self.info = cfg, run_dir, info
-        if info.enabled and cfg.train.distributed == "fsdp":
-            raise TrainingStopped(
-                "train.distributed=fsdp: checkpoints of a sharded model are not implemented yet; "
-                "use train.distributed=ddp"
-            )
+        # FSDP2 shards the weights over ranks: checkpoints gather a full state dict first.
+        self.sharded = info.enabled and cfg.train.distributed == "fsdp"
         self.device = resolve_device(cfg.train.device, info.local_rank)
         verbose = info.is_main
         self.data = data_from_config(cfg, rank=info.rank, world_size=info.world_size, verbose=verbose)
@@ -203,8 +202,11 @@ class _Training:
         if found is None:
             raise TrainingStopped(f"nothing to resume in {self.run_dir}: it has no complete checkpoint")
         step, folder = found
-        state = load_checkpoint(folder, self.model, map_location=self.device)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.sharded:
+            state = load_sharded_checkpoint(folder, self.model, self.optimizer)
+        else:
+            state = load_checkpoint(folder, self.model, map_location=self.device)
+            self.optimizer.load_state_dict(state["optimizer"])
         self.data.train.load_state_dict(state["data"])
         set_rng_state(state["rng"])
         self.step = step
@@ -371,18 +373,20 @@ class _Training:
 
     def _checkpoint(self) -> None:
         error = None
+        full = full_state_dicts(self.model, self.optimizer) if self.sharded else None  # all ranks
         if self.info.is_main:
             try:
-                self._write_checkpoint()
+                self._write_checkpoint(full)
             except TrainingStopped as exc:
                 error = exc
         if self._any_rank(error is not None):  # all ranks stop together, none waits forever
             raise error or TrainingStopped(f"rank 0 could not write the checkpoint of step {self.step}")
 
-    def _write_checkpoint(self) -> None:
+    def _write_checkpoint(self, full: tuple[dict, dict] | None = None) -> None:
+        weights, optimizer_state = full if full is not None else (self.model, self.optimizer.state_dict())
         state = {
             "step": self.step,
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer_state,
             "data": self.data.train.state_dict(),
             "rng": rng_state(),
             "train_time": self.train_time,
@@ -390,7 +394,7 @@ class _Training:
             "config": config_to_dict(self.cfg),
         }
         try:
-            save_checkpoint(self.run_dir, self.step, self.model, state)
+            save_checkpoint(self.run_dir, self.step, weights, state)
         except OSError as exc:
             raise TrainingStopped(
                 f"could not write the checkpoint of step {self.step} ({exc}); its partial files were "
