@@ -214,16 +214,7 @@ def test_torchrun_two_processes_share_windows_and_match_single_process(corpus, t
     single = tmp_path / "single"
     train(load_config(cfg_path, overrides), single)
     ddp = tmp_path / "ddp"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    with socket.socket() as sock:  # a free port, so parallel test runs do not collide
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-        "--master-port", str(port),
-        "-m", "aah.cli", "train", str(cfg_path), *overrides, "--out", str(ddp),
-    ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    done = _torchrun([str(cfg_path), *overrides, "--out", str(ddp)])
     assert done.returncode == 0, done.stdout + done.stderr
     a, b = final_train_record(single), final_train_record(ddp)
     assert a["windows"] == b["windows"]
@@ -242,7 +233,8 @@ def test_compile_option_trains_with_compiled_feed_forward_blocks(corpus, tmp_pat
     assert compiled.last_loss == pytest.approx(plain.last_loss, rel=1e-3)
 
 
-def _torchrun(cfg_path: Path, args: list[str]) -> subprocess.CompletedProcess:
+def _torchrun(args: list[str]) -> subprocess.CompletedProcess:
+    """``aah train ARGS`` under torchrun with two CPU processes."""
     with socket.socket() as sock:  # a free port, so parallel test runs do not collide
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -263,7 +255,7 @@ def test_fsdp_checkpoints_resume_exactly_and_match_single_process(corpus, tmp_pa
     single = tmp_path / "single"
     train(load_config(cfg_path, overrides), single)
     fsdp = tmp_path / "fsdp"
-    done = _torchrun(cfg_path, [str(cfg_path), *overrides, "--out", str(fsdp)])
+    done = _torchrun([str(cfg_path), *overrides, "--out", str(fsdp)])
     assert done.returncode == 0, done.stdout + done.stderr
     assert [s for s, _ in list_checkpoints(fsdp)] == [4, 8]
     a, b = final_train_record(single), final_train_record(fsdp)
@@ -273,7 +265,7 @@ def test_fsdp_checkpoints_resume_exactly_and_match_single_process(corpus, tmp_pa
     import shutil
 
     shutil.rmtree(checkpoint_dir(fsdp, 8))
-    done = _torchrun(cfg_path, ["--resume", str(fsdp)])
+    done = _torchrun(["--resume", str(fsdp)])
     assert done.returncode == 0, done.stdout + done.stderr
     c = final_train_record(fsdp)
     assert c["loss"] == pytest.approx(b["loss"], rel=1e-6) and c["windows"] == b["windows"]
