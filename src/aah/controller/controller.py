@@ -166,10 +166,6 @@ class HeadController(nn.Module):
         """Tell the controller the current optimizer step (the trainer's job)."""
         self.step = int(step)
 
-    def refresh_from_buffers(self) -> None:
-        """Re-read the Python-side caches from the buffers (after they were loaded or replaced)."""
-        self._refresh_mirrors()
-
     def _refresh_mirrors(self) -> None:
         self._window_cache.clear()
         self._last_update_step = int(self.last_update_step)

@@ -178,9 +178,6 @@ def load_sharded_checkpoint(folder: Path, model: torch.nn.Module, optimizer: tor
     state = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=False)
     options = StateDictOptions(full_state_dict=True, strict=False)
     set_model_state_dict(model, weights, options=options)
+    # set_model_state_dict goes through load_state_dict, so the controllers' load hooks run.
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=True))
-    for module in model.modules():  # buffers changed under the controllers' Python-side caches
-        refresh = getattr(module, "refresh_from_buffers", None)
-        if callable(refresh):
-            refresh()
     return state

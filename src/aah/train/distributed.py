@@ -15,7 +15,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["DistInfo", "init_distributed", "wrap_model", "all_reduce_mean", "barrier", "shutdown"]
+__all__ = [
+    "DistInfo",
+    "all_ranks_equal",
+    "all_reduce_mean",
+    "any_rank",
+    "barrier",
+    "init_distributed",
+    "shutdown",
+    "wrap_model",
+]
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,25 @@ def all_reduce_mean(value: float, info: DistInfo, device: torch.device) -> float
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return float(t.item()) / info.world_size
+
+
+def any_rank(flag: bool, info: DistInfo, device: torch.device) -> bool:
+    """``flag`` OR-ed over all ranks (the flag itself in one process)."""
+    if not info.enabled:
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
+
+
+def all_ranks_equal(value: torch.Tensor, info: DistInfo, device: torch.device) -> bool:
+    """Whether every rank holds exactly ``value`` (always true in one process)."""
+    if not info.enabled:
+        return True
+    mine = value.to(device)
+    gathered = [torch.empty_like(mine) for _ in range(info.world_size)]
+    dist.all_gather(gathered, mine)
+    return all(bool(torch.equal(g, mine)) for g in gathered)
 
 
 def barrier(info: DistInfo) -> None:

@@ -38,7 +38,16 @@ from .checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from .distributed import DistInfo, all_reduce_mean, barrier, init_distributed, shutdown, wrap_model
+from .distributed import (
+    DistInfo,
+    all_ranks_equal,
+    all_reduce_mean,
+    any_rank,
+    barrier,
+    init_distributed,
+    shutdown,
+    wrap_model,
+)
 from .run_dir import MetricsLog, git_commit, now_iso, peak_memory_mb, update_meta
 from .setup import (
     autocast_context,
@@ -237,7 +246,7 @@ class _Training:
                     if cfg.eval.every > 0 and self.step % cfg.eval.every == 0:
                         self._periodic_eval()
                     # Every rank acts on a stop request that reached any of them, at the same step.
-                    stopping = self._any_rank(stop.requested)
+                    stopping = any_rank(stop.requested, self.info, self.device)
                     if self.step in self.checkpoint_steps or stopping:
                         self._checkpoint()
                     if stopping and self.step < t.max_steps:
@@ -331,24 +340,13 @@ class _Training:
             "levels_used": self.model.levels_used(),
             "windows_changed": changed,
             "windows": windows.tolist(),
-            "ranks_agree": self._ranks_agree(windows),
+            "ranks_agree": all_ranks_equal(windows, self.info, self.device),
             "time_s": self.train_time,
         }
         self.tokens_since_log, self.time_since_log = 0, 0.0
         if self.metrics is not None:
             self.metrics.write(record)
         return record
-
-    def _ranks_agree(self, windows: torch.Tensor) -> bool:
-        """Whether every rank holds exactly these windows (always true in one process)."""
-        if not self.info.enabled:
-            return True
-        import torch.distributed as dist
-
-        mine = windows.to(self.device)
-        gathered = [torch.empty_like(mine) for _ in range(self.info.world_size)]
-        dist.all_gather(gathered, mine)
-        return all(bool(torch.equal(g, mine)) for g in gathered)
 
     def _periodic_eval(self) -> None:
         c = self.cfg
@@ -361,16 +359,6 @@ class _Training:
                                 "val_ppl": math.exp(min(loss, 50.0))})
 
     # ------------------------------------------------------------------ checkpoints
-    def _any_rank(self, flag: bool) -> bool:
-        """``flag`` OR-ed over all ranks (the flag itself in one process)."""
-        if not self.info.enabled:
-            return flag
-        import torch.distributed as dist
-
-        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item() > 0)
-
     def _checkpoint(self) -> None:
         error = None
         full = full_state_dicts(self.model, self.optimizer) if self.sharded else None  # all ranks
@@ -379,7 +367,7 @@ class _Training:
                 self._write_checkpoint(full)
             except TrainingStopped as exc:
                 error = exc
-        if self._any_rank(error is not None):  # all ranks stop together, none waits forever
+        if any_rank(error is not None, self.info, self.device):  # all ranks stop together, none waits forever
             raise error or TrainingStopped(f"rank 0 could not write the checkpoint of step {self.step}")
 
     def _write_checkpoint(self, full: tuple[dict, dict] | None = None) -> None:
