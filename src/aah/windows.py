@@ -29,7 +29,12 @@ __all__ = [
     "causal_pairs",
     "candidate_windows",
     "window_tuple",
+    "bucket_fractions",
+    "OTHER_BUCKET",
 ]
+
+#: Bucket of windows that are not among the candidates.
+OTHER_BUCKET = "other"
 
 WindowsLike = torch.Tensor | Sequence[int]
 
@@ -120,3 +125,41 @@ def candidate_windows(seq_len: int, num: int = 4) -> tuple[int, ...]:
     if len(set(ladder)) != len(ladder):
         raise ValueError(f"seq_len {t} is too short for {num} distinct windows")
     return ladder
+
+
+def bucket_fractions(windows: object, candidates: Sequence[int]) -> dict[str, float]:
+    """Share of assignments on each candidate window in a (layers, heads) window grid.
+
+    ``windows`` may be nested lists or an array of any shape; every entry is one
+    (layer, head) assignment. Keys are the candidate windows as strings, in
+    ascending order, each present even when its share is 0, plus ``"other"``
+    when some windows are not candidates.
+    """
+    flat = _flatten_ints(windows)
+    if not flat:
+        raise ValueError("the window grid is empty")
+    cands = sorted({int(c) for c in candidates})
+    counts = dict.fromkeys(cands, 0)
+    other = 0
+    for w in flat:
+        if w in counts:
+            counts[w] += 1
+        else:
+            other += 1
+    out = {str(c): counts[c] / len(flat) for c in cands}
+    if other:
+        out[OTHER_BUCKET] = other / len(flat)
+    return out
+
+
+def _flatten_ints(grid: object) -> list[int]:
+    if isinstance(grid, (int, float)) and not isinstance(grid, bool):
+        return [int(grid)]
+    if hasattr(grid, "tolist"):
+        grid = grid.tolist()
+    if isinstance(grid, (list, tuple)):
+        out: list[int] = []
+        for item in grid:
+            out.extend(_flatten_ints(item))
+        return out
+    raise ValueError(f"windows must be integers, got {grid!r}")

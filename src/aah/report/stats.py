@@ -29,6 +29,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from ..windows import OTHER_BUCKET, bucket_fractions
+
 __all__ = [
     "OTHER_BUCKET",
     "PairedDifference",
@@ -42,7 +44,6 @@ __all__ = [
     "t_quantile_975",
 ]
 
-OTHER_BUCKET = "other"
 
 # Two-sided 95% (upper 0.975) quantiles of Student's t for 1..30 degrees of freedom.
 _T975_TABLE = (
@@ -164,44 +165,6 @@ def paired_difference(
 def bucket_sort_key(key: str) -> tuple[int, int]:
     """Order bucket keys numerically, with ``"other"`` last."""
     return (1, 0) if key == OTHER_BUCKET else (0, int(key))
-
-
-def bucket_fractions(windows: object, candidates: Sequence[int]) -> dict[str, float]:
-    """Share of assignments on each candidate window in a (layers, heads) window grid.
-
-    ``windows`` may be nested lists or an array of any shape; every entry is one
-    (layer, head) assignment. Keys are the candidate windows as strings, in
-    ascending order, each present even when its share is 0, plus ``"other"``
-    when some windows are not candidates.
-    """
-    flat = _flatten_ints(windows)
-    if not flat:
-        raise ValueError("the window grid is empty")
-    cands = sorted({int(c) for c in candidates})
-    counts = dict.fromkeys(cands, 0)
-    other = 0
-    for w in flat:
-        if w in counts:
-            counts[w] += 1
-        else:
-            other += 1
-    out = {str(c): counts[c] / len(flat) for c in cands}
-    if other:
-        out[OTHER_BUCKET] = other / len(flat)
-    return out
-
-
-def _flatten_ints(grid: object) -> list[int]:
-    if isinstance(grid, (int, float)) and not isinstance(grid, bool):
-        return [int(grid)]
-    if hasattr(grid, "tolist"):
-        grid = grid.tolist()
-    if isinstance(grid, (list, tuple)):
-        out: list[int] = []
-        for item in grid:
-            out.extend(_flatten_ints(item))
-        return out
-    raise ValueError(f"windows must be integers, got {grid!r}")
 
 
 def mean_fractions(fractions: Sequence[Mapping[str, float]]) -> dict[str, float]:

@@ -9,6 +9,7 @@ import torch
 from ..config import RunConfig, controller_config, model_config
 from ..data import Data, build_data
 from ..model import GPT
+from ..windows import bucket_fractions
 
 __all__ = ["resolve_device", "autocast_context", "data_from_config", "model_from_config", "window_buckets"]
 
@@ -63,14 +64,12 @@ def model_from_config(cfg: RunConfig, vocab_size: int) -> GPT:
 
 
 def window_buckets(model: GPT, seq_len: int) -> dict[str, float]:
-    """Fraction of all (layer, head) windows at each candidate window (keys are windows as strings)."""
+    """Fraction of all (layer, head) windows at each candidate window (keys are windows as strings).
+
+    A window that is not a candidate (full attention before the first decision when the
+    candidates stop below ``seq_len``) gets a bucket of its own.
+    """
     windows = model.aah_windows(seq_len).flatten().tolist()
     ctrls = model.controllers()
-    candidates = (
-        [min(w, seq_len) for w in ctrls[0].candidates] if ctrls else [seq_len]
-    )
-    counts = {str(c): 0 for c in candidates}
-    for w in windows:
-        key = str(w)
-        counts[key] = counts.get(key, 0) + 1
-    return {k: v / len(windows) for k, v in counts.items()}
+    candidates = {min(w, seq_len) for w in ctrls[0].candidates} if ctrls else {seq_len}
+    return bucket_fractions(windows, sorted(candidates | set(windows)))
