@@ -6,6 +6,8 @@ import argparse
 import importlib
 import sys
 
+from .errors import EXIT_USAGE, CLIError
+
 # Each module defines ``add_commands(subparsers)``; a sub-command sets ``func`` on its parser.
 COMMAND_MODULES = (
     "aah.demo",
@@ -41,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         result = args.func(args)
+    except CLIError as exc:
+        print(f"aah {args.command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
