@@ -284,7 +284,10 @@ class AAHConfig(_Section):
     topology: str | None = None
     scoring: str | None = None
     parent_constraint: bool | None = None
+    upper_levels: str | None = None
+    keep_collapsed_top: bool | None = None
     standardize_features: bool | None = None
+    diagnostics_context: str | None = None
     level0_threshold: float | None = None
     upper_threshold: float | None = None
     norm_penalty: float | None = None

@@ -2,10 +2,25 @@
 
 Principal regimes are the rows of paper Tables 3, 4 and 6; the screening rows
 come from Table 5 (section 7.3) and the mechanism ablations from Table 8
-(appendix A.2). Every AAH regime shares the paper's protocol values (control
-every 5 steps after a 100-step full-window warmup, feature EMA 0.9,
-resolution EMA 0.15) unless its description says otherwise; CPU-sized configs
-override the warmup, not the regime.
+(appendix A.2). A regime named after a paper row runs the paper's method as
+written: raw head features for level-0 clustering, diagnostics of the attention
+as executed, the reference's ``upper_level_collapsed`` stop. Every AAH regime
+shares the paper's protocol values (control every 5 steps, feature EMA 0.9,
+resolution EMA 0.15) and the reference configs' values where the paper is
+silent (100-step full-window warmup, thresholds 0.72 / 0.76, scorer widths
+16 / 64) unless its description says otherwise; CPU-sized configs override the
+warmup, not the regime.
+
+Our departures are named regimes of their own, compared side by side with the
+paper rows in the mechanisms suite:
+
+* ``<regime>_plus``: the paper regime with both of our improvements,
+  standardised level-0 features (``standardize_features``) and diagnostics
+  against full causal context (``diagnostics_context="full"``);
+* ``full_adaptive_standardized`` and ``full_adaptive_full_context``: one
+  improvement each, to tell them apart;
+* ``freeze_after_warmup`` (our reading of the Table 8 row, similarity-merged
+  upper levels) beside ``freeze_after_warmup_passthrough`` (the reference's).
 """
 
 from __future__ import annotations
@@ -14,7 +29,7 @@ from dataclasses import dataclass
 
 from .controller.config import ControllerConfig
 
-__all__ = ["Regime", "REGIMES", "get", "names", "describe"]
+__all__ = ["Regime", "REGIMES", "PRINCIPAL", "OURS", "get", "names", "describe", "is_ours"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +42,14 @@ class Regime:
 
 _FULL_ADAPTIVE = ControllerConfig(hierarchy=(2, 2, 2, 2), topology="adaptive", scoring="joint")
 _SHALLOW_FREEZE = ControllerConfig(hierarchy=(2,), topology="frozen", scoring="joint")
+_GROUPING_OFF = ControllerConfig(grouping="per_head", hierarchy=(2,), scoring="independent", parent_constraint=False)
+_DEEP_PRACTICAL_REUSE = _FULL_ADAPTIVE.replace(topology="reuse_level0")
+#: Our two improvements over the paper as written (docs/controller.md, "Where we depart").
+OURS = {"standardize_features": True, "diagnostics_context": "full"}
+_PLUS_TEXT = (
+    " Ours, not a paper row: standardised level-0 grouping features and diagnostics measured "
+    "against full causal context."
+)
 
 _REGIMES = (
     Regime(
@@ -40,7 +63,7 @@ _REGIMES = (
         "Tables 3/4/6: Grouping off",
         "Each head is its own level-0 item, one level, base scorer only (no joint sibling "
         "scoring, no parent constraint); resolution EMA and cached windows as in AAH.",
-        ControllerConfig(grouping="per_head", hierarchy=(2,), scoring="independent", parent_constraint=False),
+        _GROUPING_OFF,
     ),
     Regime(
         "full_adaptive",
@@ -61,7 +84,7 @@ _REGIMES = (
         "Tables 3/4/6: Deep practical reuse",
         "[2,2,2,2] hierarchy whose level-0 partition is built once and reused; upper levels and "
         "decisions are recomputed at every control update.",
-        _FULL_ADAPTIVE.replace(topology="reuse_level0"),
+        _DEEP_PRACTICAL_REUSE,
     ),
     Regime(
         "control_off",
@@ -72,16 +95,32 @@ _REGIMES = (
     ),
     Regime(
         "fixed_random_grouping",
-        "Table 5: Fixed random grouping; Table 8: appendix_4096_fixed_random_grouping",
-        "Shallow freeze with the level-0 bipartition drawn at random (seeded, balanced) instead of "
-        "from head features.",
+        "Table 5: Fixed random grouping",
+        "Shallow freeze ([2], one level) with the level-0 bipartition drawn at random (seeded, "
+        "balanced) instead of from head features.",
         _SHALLOW_FREEZE.replace(grouping="random"),
     ),
     Regime(
+        "fixed_random_grouping_deep",
+        "Table 8: appendix_4096_fixed_random_grouping (max_depth 4 in the reference configs)",
+        "Full adaptive ([2,2,2,2], depth 4) with the level-0 bipartition drawn at random (seeded, "
+        "balanced, fixed) instead of from head features; upper levels and decisions still update.",
+        _FULL_ADAPTIVE.replace(grouping="random"),
+    ),
+    Regime(
+        "freeze_after_warmup_passthrough",
+        "Table 8: appendix_4096_freeze_after_warmup_passthrough (the reference's reading)",
+        "Full adaptive whose controller observes features and builds level 0 during the warmup, "
+        "with pass-through upper levels (one single-child parent per item), while windows stay at "
+        "full span; the topology is frozen at warmup end.",
+        _FULL_ADAPTIVE.replace(topology="freeze_after_warmup", upper_levels="passthrough"),
+    ),
+    Regime(
         "freeze_after_warmup",
-        "Table 8: appendix_4096_freeze_after_warmup_passthrough",
-        "Full adaptive whose controller observes features and rebuilds the topology during the "
-        "warmup while windows pass through at full span, then freezes the topology at warmup end.",
+        "Table 8: appendix_4096_freeze_after_warmup_passthrough (our reading)",
+        "Full adaptive whose controller observes features and rebuilds the whole topology "
+        "(similarity-merged upper levels) during the warmup while windows pass through at full "
+        "span, then freezes it at warmup end.",
         _FULL_ADAPTIVE.replace(topology="freeze_after_warmup"),
     ),
     Regime(
@@ -134,12 +173,55 @@ _REGIMES = (
         "Shallow freeze with control updates every 10 steps instead of 5.",
         _SHALLOW_FREEZE.replace(control_interval=10),
     ),
+    # ---- ours: each departure from the paper as written, named and compared side by side
+    Regime(
+        "grouping_off_plus",
+        "none (ours): grouping_off with our improvements",
+        "Grouping off with diagnostics measured against full causal context (no level-0 "
+        "clustering, so standardisation changes nothing here)." + _PLUS_TEXT,
+        _GROUPING_OFF.replace(**OURS),
+    ),
+    Regime(
+        "full_adaptive_plus",
+        "none (ours): full_adaptive with our improvements",
+        "Full adaptive with our improvements." + _PLUS_TEXT,
+        _FULL_ADAPTIVE.replace(**OURS),
+    ),
+    Regime(
+        "shallow_freeze_plus",
+        "none (ours): shallow_freeze with our improvements",
+        "Shallow freeze with our improvements." + _PLUS_TEXT,
+        _SHALLOW_FREEZE.replace(**OURS),
+    ),
+    Regime(
+        "deep_practical_reuse_plus",
+        "none (ours): deep_practical_reuse with our improvements",
+        "Deep practical reuse with our improvements." + _PLUS_TEXT,
+        _DEEP_PRACTICAL_REUSE.replace(**OURS),
+    ),
+    Regime(
+        "full_adaptive_standardized",
+        "none (ours): full_adaptive, one improvement",
+        "Full adaptive with standardised level-0 grouping features only (diagnostics as executed).",
+        _FULL_ADAPTIVE.replace(standardize_features=True),
+    ),
+    Regime(
+        "full_adaptive_full_context",
+        "none (ours): full_adaptive, one improvement",
+        "Full adaptive with diagnostics against full causal context only (raw grouping features).",
+        _FULL_ADAPTIVE.replace(diagnostics_context="full"),
+    ),
 )
 
 REGIMES: dict[str, Regime] = {r.name: r for r in _REGIMES}
 
 #: The paper's five principal regimes (Tables 3, 4, 6), in table order.
 PRINCIPAL = ("full_attention", "grouping_off", "full_adaptive", "shallow_freeze", "deep_practical_reuse")
+
+
+def is_ours(name: str) -> bool:
+    """Whether ``name`` is one of our departures rather than a paper row."""
+    return describe(name).paper_row.startswith("none (ours)")
 
 
 def names() -> list[str]:

@@ -1,16 +1,22 @@
 """Typed settings of the AAH-v3 controller (paper sections 5.3-5.8, 7.1).
 
 One frozen dataclass holds every knob the paper and its ablations name; the
-named presets live in :mod:`aah.regimes`. Defaults are the paper's main
-protocol values (reference-implementation values where the paper is silent).
+named presets live in :mod:`aah.regimes`. Defaults run the paper as written:
+its stated values (control interval 5, feature EMA 0.9, resolution EMA 0.15,
+lambda 16, eps 1e-6: sections 5.3, 5.4, 5.8, 7.1), and the reference
+implementation's values where the paper is silent (thresholds 0.72 / 0.76,
+scorer hidden widths 16 / 64, the 100-step control warm-up, max depth 4, the
+``upper_level_collapsed`` stop). Each of our departures is a field whose
+default is off; the ``*_plus`` regimes switch them on.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
-__all__ = ["ControllerConfig", "GROUPINGS", "TOPOLOGIES", "SCORINGS"]
+__all__ = ["ControllerConfig", "DIAGNOSTIC_CONTEXTS", "GROUPINGS", "TOPOLOGIES", "SCORINGS", "UPPER_LEVELS"]
 
 #: How level-0 items are formed: cosine clustering of head features (5.4),
 #: one item per head (Grouping off), or a fixed seeded random bipartition.
@@ -22,6 +28,14 @@ TOPOLOGIES = ("adaptive", "frozen", "reuse_level0", "freeze_after_warmup")
 #: base scorer only, a deterministic entropy/usage rule, one fixed window, or
 #: no control at all (windows stay at the full-window start).
 SCORINGS = ("joint", "independent", "simple", "fixed", "none")
+#: Which attention the entropy / output-norm / usage diagnostics describe: the
+#: attention as executed, each head in its own window (the paper's "most recent
+#: stored attention statistics", 5.3), or full causal context (ours).
+DIAGNOSTIC_CONTEXTS = ("executed", "full")
+#: How levels above level 0 are built: merged by the ``cosine_normdiff``
+#: similarity (5.4), or pass-through copies of level 0, one single-child parent
+#: per item (the reference's freeze-after-warmup reading).
+UPPER_LEVELS = ("merge", "passthrough")
 
 
 @dataclass(frozen=True)
@@ -34,27 +48,30 @@ class ControllerConfig:
 
     enabled: bool = True
     windows: tuple[int, ...] | None = None
-    min_window: int | None = None  # W_min of the execution clamp; None = smallest candidate
-    control_interval: int = 5
-    control_warmup: int = 100
-    feature_ema: float = 0.9  # alpha: new = alpha * old + (1 - alpha) * current
-    resolution_ema: float = 0.15  # beta: c = round(beta * previous + (1 - beta) * new)
+    min_window: int | None = None  # W_min of the execution clamp (5.8); None = smallest candidate
+    control_interval: int = 5  # paper 5.3 / 7.1
+    control_warmup: int = 100  # reference configs (the paper does not state the warm-up length)
+    feature_ema: float = 0.9  # alpha (paper 5.3, 7.1): new = alpha * old + (1 - alpha) * current
+    resolution_ema: float = 0.15  # beta (paper 5.8, 7.1): c = round(beta * previous + (1 - beta) * new)
     grouping: str = "feature"
-    hierarchy: tuple[int, ...] = (2, 2, 2, 2)
-    max_depth: int = 4
+    hierarchy: tuple[int, ...] = (2, 2, 2, 2)  # shape (5.4): level 0 holds at most prod(shape) groups
+    max_depth: int = 4  # reference configs
     topology: str = "adaptive"
     scoring: str = "joint"
     parent_constraint: bool = True
-    standardize_features: bool = True
-    level0_threshold: float = 0.72
-    upper_threshold: float = 0.76
-    norm_penalty: float = 16.0  # lambda of the cosine_normdiff similarity
-    norm_eps: float = 1e-6
+    upper_levels: str = "merge"  # 5.4; "passthrough" is the reference's freeze-after-warmup reading
+    keep_collapsed_top: bool = False  # ours when True; the reference stops (upper_level_collapsed)
+    standardize_features: bool = False  # ours when True; the paper clusters the raw features (5.4)
+    diagnostics_context: str = "executed"  # paper 5.3; "full" (full causal context) is ours
+    level0_threshold: float = 0.72  # reference configs (the paper gives no value)
+    upper_threshold: float = 0.76  # reference configs (the paper gives no value)
+    norm_penalty: float = 16.0  # lambda of the cosine_normdiff similarity (paper 5.4)
+    norm_eps: float = 1e-6  # epsilon of the cosine_normdiff similarity (paper 5.4)
     shuffle_post_select: bool = False
-    fixed_window_index: int = 1  # used by scoring="fixed": 1 = T/4 on the paper ladder
-    diagnostic_queries: int = 32
-    base_hidden: int = 16
-    joint_hidden: int = 64
+    fixed_window_index: int = 1  # used by scoring="fixed": 1 = T/4 on the paper ladder (Table 5: fixed 1024)
+    diagnostic_queries: int = 32  # ours: the paper does not say how diagnostics are sampled
+    base_hidden: int = 16  # reference configs: base scorer 29 -> 16 -> K
+    joint_hidden: int = 64  # reference configs: joint scorer 116 -> 64 -> 2K
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -81,7 +98,13 @@ class ControllerConfig:
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 fail(name, f"must be in [0, 1), got {value}")
-        for name, allowed in (("grouping", GROUPINGS), ("topology", TOPOLOGIES), ("scoring", SCORINGS)):
+        for name, allowed in (
+            ("grouping", GROUPINGS),
+            ("topology", TOPOLOGIES),
+            ("scoring", SCORINGS),
+            ("upper_levels", UPPER_LEVELS),
+            ("diagnostics_context", DIAGNOSTIC_CONTEXTS),
+        ):
             if getattr(self, name) not in allowed:
                 fail(name, f"must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
         shape = tuple(self.hierarchy)
@@ -103,6 +126,21 @@ class ControllerConfig:
         if self.grouping == "per_head":
             return 1
         return min(len(self.hierarchy), self.max_depth)
+
+    @property
+    def max_level0_groups(self) -> int | None:
+        """Most level-0 groups the shape allows: the product of its used entries (paper 5.4).
+
+        A shape ``[b_0, ..., b_{R-1}]`` is a tree read from the top: the
+        heads are split into ``b_0`` top-level items and every level-``r``
+        item (``r >= 1``) has at most ``b_r`` children, so level 0 holds at
+        most ``b_0 * ... * b_{R-1}`` groups: 2 for ``[2]`` ("one binary split
+        from heads into two level-0 groups"), 16 for ``[2, 2, 2, 2]``. None
+        for ``per_head`` grouping, where every head is its own item.
+        """
+        if self.grouping == "per_head":
+            return None
+        return math.prod(self.hierarchy[: self.num_levels])
 
     def replace(self, **changes) -> ControllerConfig:
         """A copy with ``changes``; unknown names raise ``ValueError`` listing the known ones."""

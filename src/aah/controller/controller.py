@@ -33,8 +33,9 @@ from .config import ControllerConfig
 from .features import NUM_FEATURES, attention_diagnostics, qkv_moments, statistics_from_moments
 from .hierarchy import (
     Topology,
-    build_upper_levels,
+    cap_groups,
     forced_bipartition,
+    grow_upper_levels,
     level0_cosine_groups,
     level_features,
     parents_of,
@@ -159,6 +160,7 @@ class HeadController(nn.Module):
         self._has_topology = False
         self._decided = False
         self.last_decision: Decision | None = None
+        self.last_stop_reason: str | None = None  # why the last hierarchy build stopped growing
         self.register_load_state_dict_post_hook(lambda module, _incompatible: module._refresh_mirrors())
 
     # ------------------------------------------------------------------ schedule
@@ -245,9 +247,15 @@ class HeadController(nn.Module):
 
     @torch.no_grad()
     def record_diagnostics(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Sampled entropy / output norm / usage, kept for the next control update."""
+        """Sampled entropy / output norm / usage, kept for the next control update.
+
+        With ``diagnostics_context="executed"`` (the paper's reading) each head
+        is measured in the window it now executes; with ``"full"`` (ours)
+        against full causal context.
+        """
+        windows = self.current_windows(q.shape[2]) if self.config.diagnostics_context == "executed" else None
         diag = attention_diagnostics(
-            q, k, v, long_range=self.candidates[0], num_queries=self.config.diagnostic_queries
+            q, k, v, long_range=self.candidates[0], num_queries=self.config.diagnostic_queries, windows=windows
         )
         self.last_diagnostics.copy_(_mean_over_ranks(diag).to(self.last_diagnostics))
         self.has_diagnostics.fill_(True)
@@ -270,7 +278,7 @@ class HeadController(nn.Module):
         groups = level0_cosine_groups(sim_feats, cfg.level0_threshold)
         if len(groups) == 1 and self.num_heads > 1:
             groups = forced_bipartition(sim_feats)
-        return groups
+        return cap_groups(groups, sim_feats, cfg.max_level0_groups)
 
     def _similarity_features(self, features: torch.Tensor) -> torch.Tensor:
         features = features.detach().float().cpu()
@@ -280,7 +288,7 @@ class HeadController(nn.Module):
         cfg = self.config
         # Upper levels compare raw group features: the norm-difference term is about magnitudes,
         # which standardisation would distort (standardisation serves level-0 cosine only).
-        return build_upper_levels(
+        topology, self.last_stop_reason = grow_upper_levels(
             level0,
             features.detach().float().cpu(),
             num_levels=cfg.num_levels,
@@ -288,7 +296,10 @@ class HeadController(nn.Module):
             threshold=cfg.upper_threshold,
             penalty=cfg.norm_penalty,
             eps=cfg.norm_eps,
+            keep_collapsed_top=cfg.keep_collapsed_top,
+            passthrough=cfg.upper_levels == "passthrough",
         )
+        return topology
 
     def topology_for_update(self, features: torch.Tensor) -> Topology:
         """The hierarchy a control update uses now, following the topology policy."""

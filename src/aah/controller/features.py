@@ -4,7 +4,9 @@ The 9-dimensional base feature of head ``h`` is
 ``[mean|q|, std q, mean|k|, std k, mean|v|, std v, entropy, output norm, usage]``.
 The six activation statistics reduce over batch, time and head dimension
 (population standard deviation). The last three are *diagnostics* of an
-earlier attention pass, defined here where the paper leaves them open:
+earlier attention pass ("previous attention diagnostics ... from the most
+recent stored attention statistics", 5.3). The paper names them but does not
+define them; our definitions (the reference's were degenerate):
 
 * entropy: Shannon entropy of the query's attention row divided by the log of
   the number of keys the query may see (so 1 = uniform, 0 = one key);
@@ -12,14 +14,19 @@ earlier attention pass, defined here where the paper leaves them open:
 * usage: attention mass on keys at distance >= the smallest candidate window,
   i.e. how much the head relies on long-range context.
 
-Diagnostics are computed without gradient on a few sampled query positions
-with full causal context (so a head that was shrunk can still show that it
-wants more), never on the full ``T x T`` scores.
+Which attention they describe is a setting: with ``windows`` (the paper's
+reading, ``diagnostics_context="executed"``) each head attends inside its
+executed window, as in the pass that ran; without (ours,
+``diagnostics_context="full"``) every head sees full causal context, so a head
+that was shrunk can still show that it wants more. Either way they are
+computed without gradient on a few sampled query positions, never on the full
+``T x T`` scores.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -81,12 +88,15 @@ def attention_diagnostics(
     long_range: int,
     num_queries: int = 32,
     scale: float | None = None,
+    windows: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Entropy, output norm and long-range usage per head, shape (H, 3), float32.
 
     ``long_range`` is the distance from which keys count as long range (the
     smallest candidate window). Queries are sampled from positions that can
-    see that far back, when the sequence is long enough.
+    see that far back, when the sequence is long enough. ``windows`` (one per
+    query head) restricts head ``h`` to keys ``i - W_h < j <= i``, the
+    attention as executed; ``None`` means full causal context.
     """
     b, num_heads, seq_len, dim = q.shape
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
@@ -97,10 +107,18 @@ def attention_diagnostics(
     scores = torch.matmul(qs, kf.transpose(-1, -2)) * scale  # (B, H, S, T)
     keys = torch.arange(seq_len, device=q.device)
     distance = pos[:, None] - keys[None, :]  # (S, T)
-    scores = scores.masked_fill(distance < 0, float("-inf"))
+    visible = (pos + 1).float().expand(num_heads, -1)  # (H, S) keys each query may see
+    if windows is None:
+        blocked = distance < 0
+    else:
+        if len(windows) != num_heads:
+            raise ValueError(f"windows: need one per query head ({num_heads}), got {len(windows)}")
+        w = torch.as_tensor(list(windows), dtype=torch.long, device=q.device).view(num_heads, 1, 1)
+        blocked = (distance < 0) | (distance >= w)  # (H, S, T)
+        visible = torch.minimum(visible, w.view(num_heads, 1).float())
+    scores = scores.masked_fill(blocked, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     plogp = torch.where(probs > 0, probs * probs.clamp_min(1e-30).log(), torch.zeros_like(probs))
-    visible = (pos + 1).float()
     log_keys = torch.where(visible > 1, visible.log(), torch.ones_like(visible))
     entropy = torch.where(visible > 1, -plogp.sum(-1) / log_keys, torch.zeros_like(log_keys))
     out_norm = torch.matmul(probs, vf).norm(dim=-1)

@@ -9,13 +9,20 @@ items above. Levels are built bottom-up:
   the threshold, else opens a cluster); if everything lands in one cluster,
   the deterministic forced bipartition takes the least similar pair of heads
   as anchors and gives every other head to the anchor it is more similar to
-  (ties go to the smaller group, then to the first anchor);
+  (ties go to the smaller group, then to the first anchor); if there are more
+  clusters than the hierarchy shape allows (2 for ``[2]``, 16 for
+  ``[2,2,2,2]``), the two clusters with the most similar centroids merge until
+  they fit (:func:`cap_groups`);
 * upper levels: items merge with the ``cosine_normdiff`` similarity
   ``cos(a, b) - lambda * |‖a‖ - ‖b‖| / max(‖a‖, ‖b‖, eps)``; greedy in item
   order, each item takes its most similar unassigned partners above the
   threshold (up to the level's branching factor); an item with no partner
-  becomes a single-child parent; growth stops when one item is left or at the
-  maximum depth.
+  becomes a single-child parent; growth stops at the maximum depth, or when a
+  level would merge everything into one item: like the reference
+  implementation that level is not added (stop reason
+  ``upper_level_collapsed``) unless ``keep_collapsed_top`` asks for it;
+* pass-through upper levels (the reference's freeze-after-warmup reading):
+  every level above 0 copies the one below, one single-child parent per item.
 
 Group features are child-weighted means (``g_i^(r)`` of section 5.4).
 """
@@ -32,6 +39,7 @@ __all__ = [
     "cosine_matrix",
     "level0_cosine_groups",
     "forced_bipartition",
+    "cap_groups",
     "random_bipartition",
     "normdiff_similarity",
     "merge_level",
@@ -39,6 +47,8 @@ __all__ = [
     "size_fractions",
     "parents_of",
     "build_upper_levels",
+    "grow_upper_levels",
+    "STOP_REASONS",
     "topology_to_tensor",
     "topology_from_tensor",
 ]
@@ -103,6 +113,33 @@ def forced_bipartition(features: torch.Tensor) -> list[list[int]]:
         else:
             gb.append(h)
     return [sorted(ga), sorted(gb)]
+
+
+def cap_groups(groups: Sequence[Sequence[int]], features: torch.Tensor, max_groups: int | None) -> list[list[int]]:
+    """Merge level-0 clusters until at most ``max_groups`` remain (the shape's cap, section 5.4).
+
+    Each round merges the two groups whose centroids (mean feature of their
+    heads) have the highest cosine; ties take the first pair in row-major
+    order. Groups stay ordered by their first head. ``None`` = no cap.
+    """
+    out = [sorted(g) for g in groups]
+    if max_groups is None:
+        return out
+    if max_groups < 1:
+        raise ValueError(f"max_groups must be >= 1, got {max_groups}")
+    while len(out) > max_groups:
+        centroids = torch.stack([features[g].double().mean(dim=0) for g in out])
+        sim = cosine_matrix(centroids)
+        n = len(out)
+        best, pair = -float("inf"), (0, 1)
+        for i in range(n):
+            for j in range(i + 1, n):
+                if float(sim[i, j]) > best:
+                    best, pair = float(sim[i, j]), (i, j)
+        i, j = pair
+        out[i] = sorted(out[i] + out[j])
+        del out[j]
+    return sorted(out, key=lambda g: g[0])
 
 
 def random_bipartition(num_heads: int, generator: torch.Generator) -> list[list[int]]:
@@ -184,6 +221,10 @@ def parents_of(topology: Sequence[Sequence[Sequence[int]]]) -> list[list[int] | 
     return result
 
 
+#: Why :func:`build_upper_levels` stopped growing.
+STOP_REASONS = ("max_depth", "upper_level_collapsed", "single_item")
+
+
 def build_upper_levels(
     level0: Sequence[Sequence[int]],
     head_features: torch.Tensor,
@@ -193,15 +234,60 @@ def build_upper_levels(
     threshold: float,
     penalty: float,
     eps: float,
+    keep_collapsed_top: bool = False,
+    passthrough: bool = False,
 ) -> Topology:
-    """Grow the hierarchy above ``level0`` until one item is left or ``num_levels`` exist."""
+    """Grow the hierarchy above ``level0``; see :func:`grow_upper_levels` for the rules."""
+    return grow_upper_levels(
+        level0,
+        head_features,
+        num_levels=num_levels,
+        branching=branching,
+        threshold=threshold,
+        penalty=penalty,
+        eps=eps,
+        keep_collapsed_top=keep_collapsed_top,
+        passthrough=passthrough,
+    )[0]
+
+
+def grow_upper_levels(
+    level0: Sequence[Sequence[int]],
+    head_features: torch.Tensor,
+    *,
+    num_levels: int,
+    branching: Sequence[int],
+    threshold: float,
+    penalty: float,
+    eps: float,
+    keep_collapsed_top: bool = False,
+    passthrough: bool = False,
+) -> tuple[Topology, str]:
+    """The hierarchy above ``level0`` and why growth stopped (one of :data:`STOP_REASONS`).
+
+    Level ``r >= 1`` merges items of level ``r - 1`` with at most
+    ``branching[r]`` children each (the last entry repeats). Growth stops at
+    ``num_levels`` levels (``max_depth``), when the top level already is a
+    single item (``single_item``), or when a merge would leave one item
+    (``upper_level_collapsed``): that level is then dropped, as in the
+    reference implementation, unless ``keep_collapsed_top`` keeps it. With
+    ``passthrough`` every upper level copies the one below item for item.
+    """
     topology: list[Level] = [tuple(tuple(g) for g in level0)]
-    while len(topology) < num_levels and len(topology[-1]) > 1:
-        feats = level_features(topology, head_features)[-1]
-        b = branching[min(len(topology), len(branching) - 1)]
-        parents = merge_level(feats, threshold, penalty, eps, b)
+    while True:
+        if len(topology) >= num_levels:
+            return tuple(topology), "max_depth"
+        if len(topology[-1]) <= 1:
+            return tuple(topology), "single_item"
+        if passthrough:
+            parents = [[i] for i in range(len(topology[-1]))]
+        else:
+            feats = level_features(topology, head_features)[-1]
+            b = branching[min(len(topology), len(branching) - 1)]
+            parents = merge_level(feats, threshold, penalty, eps, b)
+        if len(parents) == 1 and not keep_collapsed_top:
+            return tuple(topology), "upper_level_collapsed"
         topology.append(tuple(tuple(p) for p in parents))
-    return tuple(topology)
 
 
 def topology_to_tensor(topology: Topology, num_heads: int, max_levels: int) -> torch.Tensor:
