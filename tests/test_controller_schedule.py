@@ -110,7 +110,9 @@ def test_updates_happen_exactly_at_warmup_plus_multiples_of_interval():
 def test_cached_windows_are_reused_between_updates():
     # Simple policy: an update reads the diagnostics stored at the previous update. Feeding
     # the opposite kind of attention in between would change the windows if anything ran.
-    ctrl = controller(regimes.get("simple_policy"), control_warmup=2, control_interval=3)
+    ctrl = controller(
+        regimes.get("simple_policy"), control_warmup=2, control_interval=3, diagnostics_context="full"
+    )
     assert run(ctrl, 2, peaked_qkv()) == FULL  # first update: no diagnostics yet, full window
     state = snapshot(ctrl)
     for step in (3, 4):
@@ -175,11 +177,13 @@ def test_evaluation_forwards_never_change_controller_state():
 
 
 def policy_controller(topology: str, **overrides) -> HeadController:
-    # feature EMA 0: the topology follows the current observation only
+    # feature EMA 0: the topology follows the current observation only; standardised features
+    # so that the key scales of family_qkv decide level 0
     return controller(
         regimes.get("full_adaptive"),
         topology=topology,
         feature_ema=0.0,
+        standardize_features=overrides.pop("standardize_features", True),
         control_warmup=overrides.pop("control_warmup", 0),
         control_interval=overrides.pop("control_interval", 1),
         **overrides,
@@ -218,8 +222,14 @@ def test_reuse_level0_keeps_level0_and_regrows_the_upper_levels():
     assert first == (GROUPS_A, ((0,), (1,)), ((0,), (1,)), ((0,), (1,)))
     run(ctrl, 1, family_qkv(B))
     # level 0 kept although B would regroup; now both groups average scales 1 and 3, so their
-    # features are identical and they merge into one parent
-    assert ctrl.cached_topology() == (GROUPS_A, ((0, 1),))
+    # features are identical and would merge into one parent: the reference stops before that
+    # single-item level (upper_level_collapsed), our switch keeps it
+    assert ctrl.cached_topology() == (GROUPS_A,)
+    assert ctrl.last_stop_reason == "upper_level_collapsed"
+    kept = policy_controller("reuse_level0", keep_collapsed_top=True)
+    run(kept, 0, family_qkv(A))
+    run(kept, 1, family_qkv(B))
+    assert kept.cached_topology() == (GROUPS_A, ((0, 1),))
 
 
 def test_freeze_after_warmup_observes_during_warmup_then_stops_rebuilding():
@@ -258,7 +268,9 @@ def test_fixed_window_gives_every_head_the_chosen_candidate_after_warmup():
 
 
 def test_simple_policy_keeps_the_full_window_until_diagnostics_exist():
-    ctrl = controller(regimes.get("simple_policy"), control_warmup=0, control_interval=1)
+    ctrl = controller(
+        regimes.get("simple_policy"), control_warmup=0, control_interval=1, diagnostics_context="full"
+    )
     assert not bool(ctrl.has_diagnostics)
     assert run(ctrl, 0, peaked_qkv()) == FULL
     assert bool(ctrl.has_diagnostics)

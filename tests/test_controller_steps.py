@@ -13,7 +13,9 @@ from aah.controller import ControllerConfig, HeadController
 from aah.controller.features import attention_diagnostics, qkv_statistics, sample_query_positions
 from aah.controller.hierarchy import (
     build_upper_levels,
+    cap_groups,
     forced_bipartition,
+    grow_upper_levels,
     level0_cosine_groups,
     level_features,
     merge_level,
@@ -264,7 +266,7 @@ def test_raw_nonnegative_features_collapse_but_standardized_ones_separate():
 def test_controller_falls_back_to_bipartition_only_when_level0_collapses():
     feats = _family_features()
     # standardized, the families do not collapse: three groups, no fallback
-    assert len(controller(num_heads=6).build_topology(feats)[0]) == 3
+    assert len(controller(num_heads=6, standardize_features=True).build_topology(feats)[0]) == 3
     # identical raw features collapse to one cluster -> forced two-way split
     same = torch.full((4, 9), 2.0)
     topo = controller(num_heads=4, standardize_features=False).build_topology(same)
@@ -310,14 +312,40 @@ def test_merge_level_takes_the_most_similar_partners_up_to_the_branching():
     assert merge_level(feats, 0.76, 16.0, 1e-6, 3) == [[0, 1, 2]]
 
 
-def test_build_upper_levels_stops_at_one_item():
+def test_build_upper_levels_stops_before_a_collapsed_top_level_like_the_reference():
     level0 = [[0], [1], [2], [3]]
     feats = angles(0, 5, 10, 15)
-    # level 1: (0,1), (2,3); level 2: their means at 2.5 and 12.5deg merge -> one item, stop
-    topo = build_upper_levels(
-        level0, feats, num_levels=4, branching=(2, 2, 2, 2), threshold=0.76, penalty=16.0, eps=1e-6
-    )
-    assert topo == (((0,), (1,), (2,), (3,)), ((0, 1), (2, 3)), ((0, 1),))
+    kwargs = dict(num_levels=4, branching=(2, 2, 2, 2), threshold=0.76, penalty=16.0, eps=1e-6)
+    # level 1: (0,1), (2,3); level 2 would merge their means (2.5 and 12.5deg) into one item:
+    # the reference stops before adding it (upper_level_collapsed)
+    topo, reason = grow_upper_levels(level0, feats, **kwargs)
+    assert topo == (((0,), (1,), (2,), (3,)), ((0, 1), (2, 3)))
+    assert reason == "upper_level_collapsed"
+    assert build_upper_levels(level0, feats, **kwargs) == topo
+    # our switch keeps the merged single-item top level, and growth stops above it
+    kept, reason = grow_upper_levels(level0, feats, keep_collapsed_top=True, **kwargs)
+    assert kept == topo + (((0, 1),),)
+    assert reason == "single_item"
+
+
+def test_collapsed_top_level_switch_in_the_controller():
+    # two heads pointing the same way with equal norms: level 0 forced bipartition (0 | 1),
+    # level 1 would merge them (similarity 1 >= .76)
+    feats = torch.full((2, 9), 1.0)
+    ref = controller(num_heads=2)
+    assert ref.build_topology(feats) == (((0,), (1,)),)
+    assert ref.last_stop_reason == "upper_level_collapsed"
+    ours = controller(num_heads=2, keep_collapsed_top=True)
+    assert ours.build_topology(feats) == (((0,), (1,)), ((0, 1),))
+    assert ours.last_stop_reason == "single_item"
+    # with the single-item top, its argmax clamps both level-0 groups; without, the two
+    # groups are the top items and keep their raw choices
+    dec = ours.decide(feats)
+    top = int(dec.levels[1].index[0])
+    assert dec.levels[0].index.tolist() == [min(int(c), top) for c in dec.levels[0].raw_index]
+    dec_ref = ref.decide(feats)
+    assert len(dec_ref.levels) == 1
+    assert torch.equal(dec_ref.levels[0].index, dec_ref.levels[0].raw_index)
 
 
 def test_build_upper_levels_stops_at_num_levels_with_single_child_parents():
@@ -419,7 +447,7 @@ def test_controller_levels_feed_enriched_inputs_built_from_their_topology():
         theta = math.radians(90 * (h // 2))
         feats[h, 0] += math.cos(theta)
         feats[h, 1] += math.sin(theta)
-    ctrl = controller(num_heads=8, max_seq_len=64)
+    ctrl = controller(num_heads=8, max_seq_len=64, standardize_features=True)
     dec = ctrl.decide(feats)
     topo = dec.topology
     assert topo == (
