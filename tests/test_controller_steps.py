@@ -13,7 +13,6 @@ from aah.controller import ControllerConfig, HeadController
 from aah.controller.features import attention_diagnostics, qkv_statistics, sample_query_positions
 from aah.controller.hierarchy import (
     build_upper_levels,
-    cap_groups,
     forced_bipartition,
     grow_upper_levels,
     level0_cosine_groups,
