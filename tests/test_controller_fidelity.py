@@ -65,6 +65,10 @@ def test_cap_groups_merges_the_most_similar_centroids_by_hand():
     # round 2: centroid of [0, 2] points at 5deg; cos 45deg (to 50) beats cos 50deg (50 to 100)
     assert cap_groups(groups, feats, 2) == [[0, 1, 2], [3]]
     assert cap_groups(groups, feats, 1) == [[0, 1, 2, 3]]
+    # the order of the groups decides the sibling pairs: a merge keeps the first one's place,
+    # and groups within the cap are left as they are
+    assert cap_groups([[3], [1], [0, 2]], angles(0, 50, 10, 100), 2) == [[3], [0, 1, 2]]
+    assert cap_groups([[1, 3], [0, 2]], angles(0, 50, 10, 100), 2) == [[1, 3], [0, 2]]
 
 
 def test_shape_two_gives_two_level0_groups_with_standardised_or_raw_features():

@@ -120,7 +120,9 @@ def cap_groups(groups: Sequence[Sequence[int]], features: torch.Tensor, max_grou
 
     Each round merges the two groups whose centroids (mean feature of their
     heads) have the highest cosine; ties take the first pair in row-major
-    order. Groups stay ordered by their first head. ``None`` = no cap.
+    order. The merged group takes the place of the first of the two, so the
+    order of the groups (which decides the sibling pairs) is otherwise kept.
+    ``None`` = no cap.
     """
     out = [sorted(g) for g in groups]
     if max_groups is None:
@@ -139,7 +141,7 @@ def cap_groups(groups: Sequence[Sequence[int]], features: torch.Tensor, max_grou
         i, j = pair
         out[i] = sorted(out[i] + out[j])
         del out[j]
-    return sorted(out, key=lambda g: g[0])
+    return out
 
 
 def random_bipartition(num_heads: int, generator: torch.Generator) -> list[list[int]]:
