@@ -137,6 +137,8 @@ def test_unknown_override_names_the_setting_and_the_known_ones():
         ("scoring", "learned"),
         ("topology", "sometimes"),
         ("grouping", "pca"),
+        ("upper_levels", "copy"),
+        ("diagnostics_context", "window"),
         ("feature_ema", 1.0),
         ("resolution_ema", -0.1),
         ("hierarchy", (1,)),
