@@ -32,7 +32,7 @@ __all__ = [
 _REGISTRY: dict[str, AttentionBackend] = {}
 
 # Modules that define the built-in backends, imported on first use of the registry.
-_BUILTIN_MODULES = ("dense", "sdpa", "banded", "flex", "flash")
+_BUILTIN_MODULES = ("dense", "sdpa", "banded", "strips", "flex", "flash", "auto")
 _loaded = False
 
 # Preference order of ``backend="auto"`` per device type: the first available wins.
