@@ -28,3 +28,17 @@ def reference_attention(q, k, v, windows, scale=None):
 @pytest.fixture
 def ref_attention():
     return reference_attention
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _backend_choice_cache(tmp_path_factory):
+    """Calibrated ``backend="auto"`` choices go to a temporary folder, never the user's cache."""
+    import os
+
+    old = os.environ.get("AAH_CACHE_DIR")
+    os.environ["AAH_CACHE_DIR"] = str(tmp_path_factory.mktemp("aah-cache"))
+    yield
+    if old is None:
+        os.environ.pop("AAH_CACHE_DIR", None)
+    else:
+        os.environ["AAH_CACHE_DIR"] = old

@@ -32,21 +32,16 @@ __all__ = [
 _REGISTRY: dict[str, AttentionBackend] = {}
 
 # Modules that define the built-in backends, imported on first use of the registry.
-_BUILTIN_MODULES = ("dense", "sdpa", "banded", "flex", "flash")
+_BUILTIN_MODULES = ("dense", "sdpa", "banded", "strips", "flex", "flash", "auto")
 _loaded = False
 
-# Preference order of ``backend="auto"`` per device type: the first available wins.
-_AUTO_ORDER = {
-    "cuda": ("flash", "flex", "banded", "dense"),
-    "cpu": ("banded", "dense"),
-}
 
 
 def register_backend(backend: AttentionBackend, *, replace: bool = False) -> AttentionBackend:
     """Add ``backend`` to the registry under ``backend.name``."""
     if not backend.name:
         raise ValueError("a backend needs a non-empty name")
-    if backend.name == "auto":
+    if backend.name == "auto" and type(backend).__module__ != f"{__name__}.auto":
         raise ValueError("'auto' is reserved for automatic backend choice")
     if backend.name in _REGISTRY and not replace:
         raise ValueError(f"backend {backend.name!r} is already registered")
@@ -97,21 +92,19 @@ def get_backend(name: str) -> AttentionBackend:
 
 
 def resolve_backend(name: str, device: torch.device | str, *, needs_backward: bool = False) -> str:
-    """Turn ``name`` (possibly ``"auto"``) into the name of a backend that can run on ``device``.
+    """Turn ``name`` into the name of a backend that can run on ``device``.
 
-    ``"auto"`` picks the fastest available backend for the device type. A named
-    backend that cannot run raises ``BackendUnavailable``: never a silent fallback.
+    ``"auto"`` stays ``"auto"`` (it picks per shape when it runs, see
+    :mod:`aah.backends.auto`) when some exact windowed backend can run on the
+    device, else it is ``"dense"``. A named backend that cannot run raises
+    ``BackendUnavailable``: never a silent fallback.
     """
     device = torch.device(device)
     _load_builtins()
     if name == "auto":
-        for candidate in _AUTO_ORDER.get(device.type, ("dense",)):
-            backend = _REGISTRY.get(candidate)
-            if backend is None or backend.unavailable_reason(device) is not None:
-                continue
-            if needs_backward and not backend.supports_backward(device):
-                continue
-            return candidate
+        auto = _REGISTRY["auto"]
+        if auto.unavailable_reason(device) is None and (not needs_backward or auto.supports_backward(device)):
+            return "auto"
         return "dense"
     backend = get_backend(name)
     reason = backend.unavailable_reason(device)

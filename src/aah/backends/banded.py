@@ -50,7 +50,7 @@ their triangle (1.0).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -66,6 +66,7 @@ __all__ = [
     "banded_group_attention",
     "block_size",
     "gather_group",
+    "grouped_attention",
     "planned_entries",
     "restore_head_order",
 ]
@@ -412,32 +413,14 @@ class BandedBackend(AttentionBackend):
     )
 
     def attend(self, q, k, v, windows, scale):
-        t = q.shape[2]
-        group = q.shape[1] // k.shape[1]
-        by_window: dict[int, list[int]] = {}
-        for head, w in enumerate(windows):
-            by_window.setdefault(min(w, t), []).append(head)  # W >= T is plain causal
-        groups = sorted(by_window.items())
-        order = [head for _, heads in groups for head in heads]
-        sizes = [len(heads) for _, heads in groups]
-        # Cut q (and, without GQA, k and v) into the groups with one permutation and a
-        # split: its backward is one concatenation, not a zero-filled copy per group.
-        q_parts = torch.split(_permute_heads(q, order), sizes, dim=1)
-        if group == 1:
-            k_parts = torch.split(_permute_heads(k, order), sizes, dim=1)
-            v_parts = torch.split(_permute_heads(v, order), sizes, dim=1)
-        outputs: list[torch.Tensor] = []
-        for i, (w, heads) in enumerate(groups):
-            if group == 1:
-                q_g, k_g, v_g = q_parts[i], k_parts[i], v_parts[i]
-            else:
-                q_g = q_parts[i]
-                _, k_g, v_g, _ = gather_group(q, k, v, heads, group)
-            if w >= t and _full_heads_use_sdpa(len(heads)):
-                outputs.append(causal_sdpa(q_g, k_g, v_g, scale))
-            else:
-                outputs.append(banded_group_attention(q_g, k_g, v_g, w, scale))
-        return restore_head_order(outputs, order)
+        full = sum(1 for w in windows if w >= q.shape[2])
+
+        def run(q_g, k_g, v_g, w, scale):
+            if w >= q.shape[2] and _full_heads_use_sdpa(full):
+                return causal_sdpa(q_g, k_g, v_g, scale)
+            return banded_group_attention(q_g, k_g, v_g, w, scale)
+
+        return grouped_attention(q, k, v, windows, scale, run)
 
     def executed_coverage(self, windows, seq_len):
         t = seq_len
@@ -451,6 +434,44 @@ class BandedBackend(AttentionBackend):
                 w = min(w, t)
                 total += planned_entries(w, t, block_size(w, t)) / triangle
         return total / len(windows)
+
+
+def grouped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    windows: tuple[int, ...],
+    scale: float,
+    run_group: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor],
+) -> torch.Tensor:
+    """Group heads by window (paper, section 5.8), run each group, restore head order.
+
+    ``run_group(q_g, k_g, v_g, window, scale)`` computes one group (windows
+    ``>= T`` are passed as ``T``). Without GQA, q, k and v are cut into the
+    groups with one permutation and a split: its backward is one
+    concatenation, not a zero-filled copy per group.
+    """
+    t = q.shape[2]
+    group = q.shape[1] // k.shape[1]
+    by_window: dict[int, list[int]] = {}
+    for head, w in enumerate(windows):
+        by_window.setdefault(min(w, t), []).append(head)  # W >= T is plain causal
+    groups = sorted(by_window.items())
+    order = [head for _, heads in groups for head in heads]
+    sizes = [len(heads) for _, heads in groups]
+    q_parts = torch.split(_permute_heads(q, order), sizes, dim=1)
+    if group == 1:
+        k_parts = torch.split(_permute_heads(k, order), sizes, dim=1)
+        v_parts = torch.split(_permute_heads(v, order), sizes, dim=1)
+    outputs: list[torch.Tensor] = []
+    for i, (w, heads) in enumerate(groups):
+        if group == 1:
+            q_g, k_g, v_g = q_parts[i], k_parts[i], v_parts[i]
+        else:
+            q_g = q_parts[i]
+            _, k_g, v_g, _ = gather_group(q, k, v, heads, group)
+        outputs.append(run_group(q_g, k_g, v_g, w, scale))
+    return restore_head_order(outputs, order)
 
 
 def _full_heads_use_sdpa(count: int) -> bool:

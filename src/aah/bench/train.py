@@ -5,6 +5,13 @@ Both models are the small GPT of :mod:`aah.model` with the same backbone
 controller never updates), so the comparison isolates the execution cost of
 the windows. Steps (forward, backward, AdamW) of the two models are timed
 interleaved in one process; medians and their ratio are reported.
+
+A third model runs the controller of a regime (default ``full_adaptive``)
+live, from step 0 (no warm-up), so its control updates (paper, sections
+5.3 to 5.7: features and diagnostics, hierarchy, scoring, commit) happen
+every ``control_interval`` steps. The time spent inside those updates is
+measured directly and reported as ``controller_overhead``: the average
+control cost per step over the median step time of that model.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ import time
 
 import torch
 
+from .. import regimes
+from ..backends.auto import auto_label
 from ..controller import ControllerConfig
 from ..model import GPT, GPTConfig
 from ..windows import acr, candidate_windows, causal_coverage
@@ -35,11 +44,16 @@ def bench_train(
     windows: tuple[int, ...] | None = None,
     mix: str | None = "full_adaptive",
     backend: str = "auto",
-    repeats: int = 5,
+    repeats: int = 10,
     warmup: int = 2,
     device: str = "cpu",
+    regime: str | None = "full_adaptive",
 ) -> dict:
-    """Median step time and tokens/s of full attention and of AAH with pinned windows."""
+    """Median step time and tokens/s of full attention and of AAH with pinned windows.
+
+    With ``regime`` set, a third model runs that regime's controller live and
+    the result holds the controller's measured overhead (``regime=None`` skips it).
+    """
     if windows is None:
         from .attention import mix_windows
 
@@ -61,10 +75,26 @@ def bench_train(
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=gen).to(dev)
     models = {"full": full, "aah": aah}
+    control_times: list[float] = []
+    if regime is not None:
+        if regime not in regimes.names():
+            raise ValueError(f"--regime must be one of {', '.join(regimes.names())}; got {regime!r}")
+        ctrl_cfg = regimes.get(regime, control_warmup=0)
+        torch.manual_seed(0)
+        live = GPT(cfg, ctrl_cfg).to(dev)
+        if live.controllers():
+            models["controlled"] = live
+            for ctrl in live.controllers():
+                _time_control_work(ctrl, control_times)
     opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, m in models.items()}
+    steps_done = {name: 0 for name in models}
+    control_per_step: list[float] = []
 
     def step(name: str) -> float:
         model, opt = models[name], opts[name]
+        model.set_step(steps_done[name])
+        steps_done[name] += 1
+        before = len(control_times)
         start = time.perf_counter()
         _, loss = model(x, x)
         loss.backward()
@@ -72,11 +102,16 @@ def bench_train(
         opt.zero_grad(set_to_none=True)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-        return time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        if name == "controlled":
+            control_per_step.append(sum(control_times[before:]))
+        return elapsed
 
     for _ in range(warmup):
         for name in models:
             step(name)
+    if "controlled" in models:  # the warm-up rounds' control updates are not counted
+        control_per_step.clear()
     times: dict[str, list[float]] = {name: [] for name in models}
     for r in range(repeats):
         order = list(models) if r % 2 == 0 else list(reversed(models))
@@ -84,14 +119,48 @@ def bench_train(
             times[name].append(step(name))
     med = {name: statistics.median(ts) for name, ts in times.items()}
     tokens = batch * seq_len
+    controller = None
+    if "controlled" in models:
+        live = models["controlled"]
+        interval = live.controllers()[0].config.control_interval
+        updates = [t for t in control_per_step if t > 0]
+        per_update = statistics.median(updates) if updates else 0.0
+        controller = {
+            "regime": regime,
+            "control_interval": interval,
+            "steps": len(control_per_step),
+            "control_updates": len(updates),
+            "update_ms": per_update * 1e3,
+            "step_ms": med["controlled"] * 1e3,
+            "overhead": per_update / interval / med["controlled"],
+            "backend": auto_label(live.backends_used()),
+            "causal_coverage_end": live.coverage(seq_len)["causal_coverage"],
+        }
     return {
         "seq_len": seq_len, "layers": layers, "d_model": d_model, "heads": heads, "batch": batch,
         "windows": list(windows), "acr": acr(windows, seq_len), "causal_coverage": causal_coverage(windows, seq_len),
-        "backend_full": ",".join(full.backends_used()), "backend_aah": ",".join(aah.backends_used()),
+        "backend_full": auto_label(full.backends_used()), "backend_aah": auto_label(aah.backends_used()),
         "full_step_ms": med["full"] * 1e3, "aah_step_ms": med["aah"] * 1e3,
         "full_tokens_per_s": tokens / med["full"], "aah_tokens_per_s": tokens / med["aah"],
         "speedup": med["full"] / med["aah"], "repeats": repeats, "device": str(dev),
+        "threads": torch.get_num_threads(), "controller": controller,
+        "controller_overhead": None if controller is None else controller["overhead"],
     }
+
+
+def _time_control_work(ctrl, sink: list[float]) -> None:
+    """Wrap ``ctrl``'s control work (updates and warm-up observations) to add its seconds to ``sink``."""
+    for attr in ("control_update", "_warmup_observation"):
+        original = getattr(ctrl, attr)
+
+        def timed(*args, _original=original, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                sink.append(time.perf_counter() - start)
+
+        setattr(ctrl, attr, timed)
 
 
 def add_command(bench_subparsers) -> None:
@@ -109,7 +178,11 @@ def add_command(bench_subparsers) -> None:
     p.add_argument("--windows", default=None, help="comma-separated windows, one per head")
     p.add_argument("--mix", default="full_adaptive", help="paper window mix (see aah bench attention --help)")
     p.add_argument("--backend", default="auto")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=10,
+                   help="timed rounds (default 10: two control updates at the paper's interval of 5)")
+    p.add_argument("--regime", default="full_adaptive",
+                   help="regime whose controller runs live to measure its overhead (default full_adaptive)")
+    p.add_argument("--no-controller", action="store_true", help="skip the live-controller model")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="print a JSON object")
     p.set_defaults(func=_run)
@@ -126,6 +199,7 @@ def _run(args: argparse.Namespace) -> int:
             seq_len=args.seq_len, layers=args.layers, d_model=args.d_model, heads=args.heads,
             kv_heads=args.kv_heads, batch=args.batch, windows=windows, mix=args.mix,
             backend=args.backend, repeats=args.repeats, device=args.device,
+            regime=None if args.no_controller else args.regime,
         )
     except ValueError as exc:
         print(f"aah bench train: {exc}", file=sys.stderr)
@@ -140,4 +214,9 @@ def _run(args: argparse.Namespace) -> int:
     print(f"{'full':<8}{r['backend_full']:<10}{r['full_step_ms']:>10.1f}{r['full_tokens_per_s']:>12.0f}")
     print(f"{'aah':<8}{r['backend_aah']:<10}{r['aah_step_ms']:>10.1f}{r['aah_tokens_per_s']:>12.0f}")
     print(f"AAH / full tokens/s: {r['speedup']:.3f}x")
+    c = r["controller"]
+    if c is not None:
+        print(f"controller ({c['regime']}, live, every {c['control_interval']} steps): "
+              f"{c['update_ms']:.1f} ms per update, {c['control_updates']} updates in {c['steps']} timed steps; "
+              f"overhead {100 * c['overhead']:.2f} % of the {c['step_ms']:.1f} ms step")
     return 0

@@ -51,9 +51,12 @@ def qkv_moments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
     """
     num_heads = q.shape[1]
     moments = []
-    for x in (q, expand_kv(k, num_heads), expand_kv(v, num_heads)):
-        x = x.detach().double().transpose(0, 1).reshape(num_heads, -1)
-        moments += [x.abs().mean(dim=1), x.mean(dim=1), x.square().mean(dim=1)]
+    for x in (q, k, v):
+        # Reduced over (B, T, D) with float64 accumulation: no float64 or transposed copy.
+        x, dims, f64 = x.detach(), (0, 2, 3), torch.float64
+        count = x.numel() // x.shape[1]
+        per_head = [t.sum(dims, dtype=f64) / count for t in (x.abs(), x, x * x)]
+        moments += [m.repeat_interleave(num_heads // x.shape[1]) for m in per_head]  # KV head -> its query heads
     return torch.stack(moments, dim=1)
 
 

@@ -26,6 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import __version__
+from ..backends.auto import auto_choices, auto_label
 from ..config import RunConfig, config_to_dict, save_config
 from ..evaluate.core import validation_loss
 from ..model import GPT
@@ -388,13 +389,15 @@ class _Training:
                 f"could not write the checkpoint of step {self.step} ({exc}); its partial files were "
                 f"removed and earlier checkpoints in {self.run_dir / 'checkpoints'} are intact"
             ) from exc
-        update_meta(self.run_dir, last_checkpoint=self.step, backend=",".join(self.model.backends_used()))
+        update_meta(self.run_dir, last_checkpoint=self.step, backend=auto_label(self.model.backends_used()),
+                    auto_backend_choices=auto_choices())
 
     def _finish(self, status: str, message: str | None = None) -> None:
         if not self.info.is_main:
             return
         fields = {"status": status, "end_time": now_iso(), "step": self.step,
-                  "backend": ",".join(self.model.backends_used()), "train_time_s": self.train_time}
+                  "backend": auto_label(self.model.backends_used()), "auto_backend_choices": auto_choices(),
+                  "train_time_s": self.train_time}
         if message:
             fields["message"] = message
         with contextlib.suppress(OSError):  # a full disk must not hide the original error

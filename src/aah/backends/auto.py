@@ -1,0 +1,250 @@
+"""``auto``: per-shape choice among the exact windowed backends, calibrated once per machine.
+
+The backend-realized local attention of the AAH-v3 paper (section 7.7) only
+pays when the kernel that skips the work is also fast at the shape at hand,
+and which kernel is fastest depends on the sequence length, the head
+dimension, the batch and the windows. The first time a shape is seen, this
+backend times every exact backend that can run it (a short interleaved
+timing: one warm-up, then the median of a few rounds) and keeps the fastest.
+The choice is cached in memory and on disk, so a machine calibrates a shape
+once.
+
+* Candidates: ``strips`` and ``banded`` on CPU; ``flash``, ``flex`` and
+  ``banded`` on CUDA; plus ``sdpa`` when every window covers the sequence.
+  Only backends that can run the request (device, dtype, backward) compete.
+* Shape key: device, dtype, batch, heads, KV heads, length, head dim, the set
+  of distinct windows (clamped to the length), and whether a backward pass is
+  needed; the disk entry adds the host name, thread count and torch version.
+* Cache file: ``$AAH_CACHE_DIR/backend_choices.json``, by default
+  ``~/.cache/aah/backend_choices.json``. ``AAH_AUTO_CALIBRATE=0`` skips the
+  timing and takes the first candidate of the list above.
+* :func:`auto_choices` lists the choices this process made (the trainer
+  writes them to ``meta.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .base import AttentionBackend, BackendUnavailable
+
+__all__ = ["AutoBackend", "auto_choices", "auto_label", "cache_path", "candidates", "shape_key"]
+
+_CANDIDATES = {"cpu": ("strips", "banded"), "cuda": ("flash", "flex", "banded")}
+_LOW_PRECISION_ONLY = {"flash"}
+_WARMUP = 1
+_ROUNDS = 3
+
+_choices: dict[str, str] = {}  # shape key -> backend, this process
+_disk: dict[str, dict] | None = None  # the cache file's entries, loaded lazily
+
+
+def cache_path() -> Path:
+    """Where calibrated choices are stored: ``$AAH_CACHE_DIR`` or ``~/.cache/aah``."""
+    root = os.environ.get("AAH_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "aah")
+    return Path(root) / "backend_choices.json"
+
+
+def shape_key(q: torch.Tensor, k: torch.Tensor, windows: tuple[int, ...], needs_backward: bool) -> str:
+    """The key of a request: device, dtype, B, H, H_kv, T, D, window set, direction."""
+    b, h, t, d = q.shape
+    wins = ",".join(str(w) for w in sorted({min(w, t) for w in windows}))
+    direction = "fwd+bwd" if needs_backward else "fwd"
+    dtype = str(q.dtype).replace("torch.", "")
+    return f"{q.device.type}|{dtype}|B{b}|H{h}|KV{k.shape[1]}|T{t}|D{d}|W{wins}|{direction}"
+
+
+def _machine_key(key: str) -> str:
+    return f"{platform.node()}|threads{torch.get_num_threads()}|torch{torch.__version__}|{key}"
+
+
+def candidates(
+    device: torch.device, dtype: torch.dtype, windows: tuple[int, ...], seq_len: int, needs_backward: bool
+) -> list[str]:
+    """Exact windowed backends that can run this request, in preference order."""
+    from . import get_backend
+
+    names = list(_CANDIDATES.get(device.type, ("banded",)))
+    if all(w >= seq_len for w in windows):
+        names.append("sdpa")
+    out = []
+    for name in names:
+        backend = get_backend(name)
+        if backend.unavailable_reason(device) is not None:
+            continue
+        if needs_backward and not backend.supports_backward(device):
+            continue
+        if name in _LOW_PRECISION_ONLY and dtype not in (torch.float16, torch.bfloat16):
+            continue
+        out.append(name)
+    return out
+
+
+def _load_disk() -> dict[str, dict]:
+    global _disk
+    if _disk is None:
+        try:
+            _disk = json.loads(cache_path().read_text())
+            if not isinstance(_disk, dict):
+                _disk = {}
+        except (OSError, ValueError):
+            _disk = {}
+    return _disk
+
+
+def _save_disk(key: str, entry: dict) -> None:
+    disk = _load_disk()
+    disk[key] = entry
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(disk, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home keeps the in-memory choice; nothing else depends on the file
+
+
+def _calibrate(
+    names: list[str], q: torch.Tensor, k: torch.Tensor, windows: tuple[int, ...], scale: float,
+    needs_backward: bool,
+) -> tuple[str, dict[str, float]]:
+    """Time ``names`` on random inputs of this shape, interleaved; the fastest and the medians."""
+    from . import get_backend
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    shapes = (q.shape, k.shape, k.shape)
+    q_c, k_c, v_c = (
+        torch.randn(s, generator=gen).to(q.device, q.dtype).requires_grad_(needs_backward) for s in shapes
+    )
+    grad = torch.randn(q.shape, generator=gen).to(q.device, q.dtype)
+    sync = torch.cuda.synchronize if q.device.type == "cuda" else (lambda: None)
+
+    def make(name: str) -> Callable[[], None]:
+        backend = get_backend(name)
+
+        def call() -> None:
+            if needs_backward:
+                with torch.enable_grad():
+                    out = backend.attend(q_c, k_c, v_c, windows, scale)
+                    torch.autograd.grad(out, (q_c, k_c, v_c), grad)
+            else:
+                with torch.no_grad():
+                    backend.attend(q_c, k_c, v_c, windows, scale)
+            sync()
+
+        return call
+
+    calls: dict[str, Callable[[], None]] = {}
+    for name in names:
+        call = make(name)
+        try:
+            for _ in range(_WARMUP):
+                call()
+        except (BackendUnavailable, RuntimeError, NotImplementedError):
+            continue  # cannot run this request after all
+        calls[name] = call
+    if not calls:
+        raise BackendUnavailable(f"no backend among {names} could run this request")
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    order = list(calls)
+    for rnd in range(_ROUNDS):
+        shift = rnd % len(order)
+        for name in order[shift:] + order[:shift]:
+            start = time.perf_counter()
+            calls[name]()
+            times[name].append(time.perf_counter() - start)
+    medians = {name: statistics.median(ts) for name, ts in times.items()}
+    return min(medians, key=medians.__getitem__), medians
+
+
+def choose(
+    q: torch.Tensor, k: torch.Tensor, windows: tuple[int, ...], scale: float, needs_backward: bool
+) -> str:
+    """The backend ``auto`` runs for this request: cached, or calibrated now."""
+    key = shape_key(q, k, windows, needs_backward)
+    name = _choices.get(key)
+    if name is not None:
+        return name
+    names = candidates(q.device, q.dtype, windows, q.shape[2], needs_backward)
+    if not names:
+        name = "dense"
+    elif len(names) == 1 or os.environ.get("AAH_AUTO_CALIBRATE", "1") == "0":
+        name = names[0]
+    else:
+        entry = _load_disk().get(_machine_key(key))
+        if isinstance(entry, dict) and entry.get("backend") in names:
+            name = entry["backend"]
+        else:
+            name, medians = _calibrate(names, q, k, windows, scale, needs_backward)
+            _save_disk(_machine_key(key), {
+                "backend": name, "median_ms": {n: round(t * 1e3, 3) for n, t in medians.items()},
+                "calibrated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            })
+    _choices[key] = name
+    return name
+
+
+def auto_choices() -> dict[str, str]:
+    """Shape key -> backend for every shape ``auto`` has run in this process."""
+    return dict(_choices)
+
+
+def auto_label(backends: list[str]) -> str:
+    """``backends`` joined by commas, with ``auto`` spelled as ``auto(<chosen backends>)``."""
+    chosen = sorted(set(_choices.values()))
+    parts = [f"auto({'/'.join(chosen)})" if name == "auto" and chosen else name for name in backends]
+    return ",".join(parts)
+
+
+def _forget() -> None:
+    """Drop the in-memory choices and the loaded cache file (tests)."""
+    global _disk
+    _choices.clear()
+    _disk = None
+
+
+class AutoBackend(AttentionBackend):
+    name = "auto"
+    description = "per shape, the fastest exact windowed backend, calibrated once and cached on disk"
+
+    def unavailable_reason(self, device):
+        device = torch.device(device)
+        if not candidates(device, torch.float16, (1,), 2, False) and not candidates(
+            device, torch.float32, (1,), 2, False
+        ):
+            return f"no exact windowed backend runs on {device.type}"
+        return None
+
+    def supports_backward(self, device):
+        device = torch.device(device)
+        return bool(candidates(device, torch.float16, (1,), 2, True)
+                    or candidates(device, torch.float32, (1,), 2, True))
+
+    def attend(self, q, k, v, windows, scale):
+        from . import get_backend
+
+        needs_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+        name = choose(q, k, windows, scale, needs_backward)
+        return get_backend(name).attend(q, k, v, windows, scale)
+
+    def executed_coverage(self, windows, seq_len):
+        """Coverage of the backend chosen for these windows at ``seq_len`` (the latest such
+        choice of this process), else of the first CPU candidate."""
+        from . import get_backend
+
+        wins = "W" + ",".join(str(w) for w in sorted({min(w, seq_len) for w in windows}))
+        name = None
+        for key, chosen in _choices.items():
+            parts = key.split("|")
+            if f"T{seq_len}" in parts and wins in parts:
+                name = chosen
+        return get_backend(name or _CANDIDATES["cpu"][0]).executed_coverage(windows, seq_len)

@@ -1,0 +1,209 @@
+"""``strips``: local attention as strips of keys through PyTorch's fused CPU attention kernel.
+
+The grouped local execution of the AAH-v3 paper (section 5.8) realised with
+the fused flash-style kernel that full causal SDPA itself uses on CPU (section
+7.7, backend-realized local attention), so scores, masks and probabilities
+are never materialised in memory and their backward runs inside the kernel.
+
+For one window ``W < T`` (all heads of a window group at once):
+
+* **Prefix**: queries ``[0, W)`` see every earlier key, so they are plain
+  causal attention over the first ``W`` positions: one fused causal call.
+* **Strips**: queries ``[W, T)`` are cut into chunks of ``b`` rows. Chunk
+  ``c`` (queries ``W + c b + r``, ``0 <= r < b``) needs keys
+  ``(W + c b + r - W, W + c b + r]``, all inside the strip
+  ``[1 + c b, 1 + c b + W - 1 + b)`` of ``L = W - 1 + b`` keys. The strips of
+  all chunks are overlapping strided views of ``K`` and ``V``
+  (``Tensor.as_strided``, no copy), batched as the "heads" dimension of one
+  fused call. Every chunk has the same relative geometry, so one additive mask
+  of shape ``(b, L)`` (row ``r`` sees strip columns ``r .. r + W - 1``) serves
+  all of them.
+* When ``T - W`` is not a multiple of ``b`` the sequence is padded at the end
+  to a whole chunk; padded keys lie in the future of every real query (so the
+  mask hides them) and padded queries get a zero gradient, so nothing leaks.
+* **Backward**: the fused kernel's own backward, called with the same views;
+  the strip gradients of ``K`` and ``V`` are added back into the positions they
+  came from (``ceil(L / b)`` strided additions).
+
+Heads whose window covers the sequence run through one fused causal call
+(:mod:`aah.backends.sdpa`). Grouped-query KV heads are expanded to their
+query heads inside a group (a copy of ``K`` and ``V`` per group; the fused
+kernel batches only equal head counts).
+
+The fused kernel (``aten._scaled_dot_product_flash_attention_for_cpu``)
+exists on CPU only, so this backend is CPU-only; on CUDA the ``flash`` and
+``flex`` backends do the same job.
+
+Executed coverage counts what the kernel is asked to compute: the prefix
+triangle ``W (W + 1) / 2`` plus ``n b L`` strip entries (``n`` chunks, padded
+rows included), over the causal triangle ``T (T + 1) / 2``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .banded import grouped_attention
+from .base import AttentionBackend, expand_kv
+from .sdpa import causal_sdpa
+
+__all__ = ["StripsBackend", "strip_attention", "strip_block", "strip_entries"]
+
+_aten = torch.ops.aten
+_MIN_BLOCK = 32
+_MAX_BLOCK = 128
+
+
+def strip_block(window: int, seq_len: int) -> int:
+    """Query rows per chunk: ``W / 4`` rounded down to a power of two, clamped to [32, 128].
+
+    A chunk computes ``b x (W - 1 + b)`` scores for ``b x W`` useful ones at
+    most, so the waste is about ``b / W``; each chunk also costs the kernel a
+    fixed set-up, so chunks should not be tiny. ``W / 4`` within ``[32, 128]``
+    measured best on a 2-core CPU at head dims 32 and 64.
+    """
+    quarter = max(1, window // 4)
+    power = 1 << (quarter.bit_length() - 1)
+    return max(1, min(max(power, _MIN_BLOCK), _MAX_BLOCK, max(1, seq_len - window)))
+
+
+def strip_entries(window: int, seq_len: int, block: int | None = None) -> int:
+    """Score entries the kernel computes for one head: prefix triangle plus strips."""
+    if window >= seq_len:
+        return seq_len * (seq_len + 1) // 2
+    if block is None:
+        block = strip_block(window, seq_len)
+    chunks = -(-(seq_len - window) // block)
+    return window * (window + 1) // 2 + chunks * block * (window - 1 + block)
+
+
+_MASKS: dict[tuple[int, int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _strip_mask(window: int, block: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive mask (1, 1, b, W - 1 + b): row ``r`` sees columns ``r .. r + W - 1``."""
+    key = (window, block, dtype, device)
+    mask = _MASKS.get(key)
+    if mask is None:
+        rows = torch.arange(block, device=device)[:, None]
+        cols = torch.arange(window - 1 + block, device=device)[None, :]
+        allowed = (cols >= rows) & (cols < rows + window)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+        mask.masked_fill_(~allowed, float("-inf"))
+        mask = mask[None, None]
+        if len(_MASKS) > 64:
+            _MASKS.clear()
+        _MASKS[key] = mask
+    return mask
+
+
+def _strips(x: torch.Tensor, window: int, block: int, chunks: int) -> torch.Tensor:
+    """Strip ``c`` of ``x`` (N, T, D) is rows ``[1 + c b, 1 + c b + W - 1 + b)``: (N, n, L, D) view."""
+    n_rows, d = x.shape[1], x.shape[2]
+    return x.as_strided(
+        (x.shape[0], chunks, window - 1 + block, d),
+        (n_rows * d, block * d, d, 1),
+        x.storage_offset() + d,
+    )
+
+
+class _StripAttention(torch.autograd.Function):
+    """Local causal attention with one window for ``q``, ``k``, ``v`` of shape (N, T, D)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, window: int, block: int, scale: float):
+        n_heads, t, d = q.shape
+        chunks = -(-(t - window) // block)
+        padded = window + chunks * block
+        if padded > t:
+            q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, padded - t)) for x in (q, k, v))
+        else:
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        pre = [x[:, :window].unsqueeze(1) for x in (q, k, v)]
+        out_pre, lse_pre = _aten._scaled_dot_product_flash_attention_for_cpu(*pre, 0.0, True, scale=scale)
+        mask = _strip_mask(window, block, q.dtype, q.device)
+        q_s = q[:, window:].view(n_heads, chunks, block, d)
+        out_s, lse_s = _aten._scaled_dot_product_flash_attention_for_cpu(
+            q_s, _strips(k, window, block, chunks), _strips(v, window, block, chunks), 0.0, False,
+            attn_mask=mask, scale=scale,
+        )
+        out = torch.cat([out_pre.reshape(n_heads, window, d), out_s.reshape(n_heads, chunks * block, d)], 1)
+        ctx.save_for_backward(q, k, v, out_pre, lse_pre, out_s, lse_s)
+        ctx.geometry = (t, window, block, chunks, scale)
+        return out[:, :t] if padded > t else out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out_pre, lse_pre, out_s, lse_s = ctx.saved_tensors
+        t, window, block, chunks, scale = ctx.geometry
+        n_heads, padded, d = q.shape
+        grad = grad_out.contiguous()
+        if padded > t:
+            grad = torch.nn.functional.pad(grad, (0, 0, 0, padded - t))
+        dq_pre, dk_pre, dv_pre = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad[:, :window].unsqueeze(1), *(x[:, :window].unsqueeze(1) for x in (q, k, v)),
+            out_pre, lse_pre, 0.0, True, scale=scale,
+        )
+        mask = _strip_mask(window, block, q.dtype, q.device)
+        dq_s, dk_s, dv_s = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad[:, window:].view(n_heads, chunks, block, d),
+            q[:, window:].view(n_heads, chunks, block, d),
+            _strips(k, window, block, chunks), _strips(v, window, block, chunks),
+            out_s, lse_s, 0.0, False, attn_mask=mask, scale=scale,
+        )
+        dq = torch.cat([dq_pre.reshape(n_heads, window, d), dq_s.reshape(n_heads, chunks * block, d)], 1)
+        # Put the strip gradients back: strip c starts at key 1 + c b; its columns
+        # [s b, (s + 1) b) land on rows 1 + (c + s) b + [0, b) for every c at once.
+        rows = padded + block
+        dk = torch.zeros(n_heads, rows, d, dtype=q.dtype, device=q.device)
+        dv = torch.zeros(n_heads, rows, d, dtype=q.dtype, device=q.device)
+        dk[:, :window] = dk_pre.reshape(n_heads, window, d)
+        dv[:, :window] = dv_pre.reshape(n_heads, window, d)
+        strip_len = window - 1 + block
+        for lo in range(0, strip_len, block):
+            width = min(block, strip_len - lo)
+            span = slice(1 + lo, 1 + lo + chunks * block)
+            dk[:, span].view(n_heads, chunks, block, d)[:, :, :width] += dk_s[:, :, lo : lo + width]
+            dv[:, span].view(n_heads, chunks, block, d)[:, :, :width] += dv_s[:, :, lo : lo + width]
+        return dq[:, :t], dk[:, :t], dv[:, :t], None, None, None
+
+
+def strip_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float, block: int | None = None
+) -> torch.Tensor:
+    """Local causal attention with one ``window`` for all heads of ``q`` (B, H, T, D).
+
+    ``k`` and ``v`` are (B, H_kv, T, D); grouped KV heads are expanded here.
+    """
+    b, h, t, d = q.shape
+    if block is None:
+        block = strip_block(window, t)
+    if window >= t:
+        return causal_sdpa(q, k, v, scale)
+    k, v = expand_kv(k, h), expand_kv(v, h)
+    out = _StripAttention.apply(
+        q.reshape(b * h, t, d), k.reshape(b * h, t, d), v.reshape(b * h, t, d), window, block, scale
+    )
+    return out.view(b, h, t, d)
+
+
+class StripsBackend(AttentionBackend):
+    name = "strips"
+    description = (
+        "heads grouped by window; a causal prefix plus chunks of queries against strided key "
+        "strips, all through the fused CPU attention kernel (CPU only)"
+    )
+
+    def unavailable_reason(self, device):
+        device = torch.device(device)
+        if device.type != "cpu":
+            return f"the fused strip kernel is PyTorch's CPU attention kernel; not available on {device.type}"
+        return None
+
+    def attend(self, q, k, v, windows, scale):
+        return grouped_attention(q, k, v, windows, scale, strip_attention)
+
+    def executed_coverage(self, windows, seq_len):
+        t = seq_len
+        triangle = t * (t + 1) / 2
+        return sum(strip_entries(min(w, t), t) / triangle for w in windows) / len(windows)
