@@ -140,6 +140,8 @@ def test_resume_falls_back_and_still_ends_exactly_where_the_run_did(run, trained
     err = capsys.readouterr().err
     assert "skipping checkpoint step 12" in err and "resuming" in err and "from step 8" in err
     assert last_loss(run) == last_loss(trained)
+    meta = json.loads((run / "meta.json").read_text())
+    assert meta["resumed_from"] == 8 and [s["step"] for s in meta["skipped_checkpoints"]] == [12]
     assert verify_checkpoint(checkpoint_dir(run, 12)) is True  # rewritten whole
 
 

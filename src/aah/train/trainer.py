@@ -222,9 +222,10 @@ class _Training:
         # Rank 0 picks the newest checkpoint that verifies (saying which it skipped and why);
         # every rank loads that one.
         choice: tuple[int, str] | str
+        skipped: list[dict] = []
         if self.info.is_main:
             try:
-                step, folder, _ = newest_good_checkpoint(self.run_dir)
+                step, folder, skipped = newest_good_checkpoint(self.run_dir)
                 choice = (step, str(folder))
             except CheckpointError as exc:
                 choice = f"nothing to resume in {self.run_dir}: {exc}"
@@ -245,7 +246,8 @@ class _Training:
         self.train_time = state.get("train_time", 0.0)
         self.last_logged_windows = state.get("last_logged_windows", self.last_logged_windows)
         if self.info.is_main:
-            update_meta(self.run_dir, status="running", resumed_from=step, end_time=None)
+            update_meta(self.run_dir, status="running", resumed_from=step, end_time=None,
+                        skipped_checkpoints=skipped)
             print(f"resuming {self.run_dir} from step {step}", file=sys.stderr)
 
     def _restore_rng(self, state: dict) -> None:
