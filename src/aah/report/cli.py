@@ -46,6 +46,9 @@ def run_report(args: argparse.Namespace) -> int:
         raise CLIError(f"--out: {args.out} is a file, not a folder")
     runs, _ = load_runs(run_dirs)
     print(training_table(runs).to_markdown())
-    path = write_report(run_dirs, args.out)
+    try:
+        path = write_report(run_dirs, args.out)
+    except PermissionError as exc:
+        raise CLIError(f"cannot write the report to {args.out}: {exc}") from None
     print(f"\n{len(runs)} run(s); report written to {path}")
     return 0
