@@ -297,14 +297,19 @@ def test_large_vocab_uses_uint32(tmp_path, corpus_dir):
     assert arr.dtype == np.uint32
 
 
-def test_byte_tokenisation_is_fast():
-    import time
+def test_byte_bulk_tokenisation_matches_the_per_document_path():
+    """The byte tokenizer's one-shot numpy path gives exactly the generic per-document stream."""
+    from aah.data.tokenizers import TEXT_SEPARATOR, Tokenizer
 
-    text = "To be, or not to be, that is the question.\n" * 120_000  # ~5 MB
-    start = time.perf_counter()
-    arr = data.get_tokenizer("byte").encode_documents([text])
-    assert time.perf_counter() - start < 2.0
-    assert arr.size == len(text) + 2
+    tok = data.get_tokenizer("byte")
+    texts = ["To be, or not to be, that is the question.\n" * 500, "Ünïcödé — ✓ 𝄞", "", "end"]
+    bulk = tok.encode_documents(texts)
+    generic = Tokenizer.encode_documents(tok, texts)
+    np.testing.assert_array_equal(bulk, generic)
+    assert bulk.dtype == generic.dtype
+    joined = "".join(t + TEXT_SEPARATOR for t in texts)
+    assert bulk.size == len(joined.encode("utf-8"))
+    assert tok.decode(bulk.tolist()) == joined
 
 
 # ---------------------------------------------------------------------------

@@ -327,9 +327,9 @@ def test_cli_finds_run_folders_and_prints_table(suite: Path, tmp_path: Path, cap
 
 
 def test_cli_clear_error_without_run_folders(tmp_path: Path, capsys):
-    args = _parse(["report", str(tmp_path), "--out", str(tmp_path / "o")])
-    assert args.func(args) == 2
+    from aah.cli import main
+
+    assert main(["report", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     assert "no run folders found" in capsys.readouterr().err
-    args = _parse(["report", str(tmp_path / "missing")])
-    assert args.func(args) == 2
+    assert main(["report", str(tmp_path / "missing")]) == 2
     assert "no such file or folder" in capsys.readouterr().err

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from aah.cli import main
 from aah.config import load_config
 from aah.evaluate import evaluate_run
 from aah.train import TrainingStopped, lr_at, train
@@ -117,7 +118,7 @@ def test_resumed_run_matches_uninterrupted_run_exactly(corpus, tmp_path):
 
 
 def test_killed_run_resumes_to_the_same_end_as_an_uninterrupted_run(corpus, tmp_path):
-    overrides = tiny_overrides(corpus, tmp_path / "cache", steps=60) + ["train.checkpoint_every=4", "eval.every=0"]
+    overrides = tiny_overrides(corpus, tmp_path / "cache", steps=24) + ["train.checkpoint_every=4", "eval.every=0"]
     cfg_path = empty_config(tmp_path)
     full = tmp_path / "full"
     train(load_config(cfg_path, overrides), full)
@@ -127,27 +128,55 @@ def test_killed_run_resumes_to_the_same_end_as_an_uninterrupted_run(corpus, tmp_
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while time.time() < deadline and latest_checkpoint(killed) is None and proc.poll() is None:
-        time.sleep(0.02)
+        time.sleep(0.01)
     proc.kill()  # SIGKILL: no chance to clean up
     proc.wait(timeout=60)
-    found = latest_checkpoint(killed)
-    assert found is not None
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    meta = json.loads((killed / "meta.json").read_text())
+    assert meta["status"] == "running"  # nobody recorded an end: the process died mid-run
+    step, _ = latest_checkpoint(killed)
+    assert step < 24
+    assert final_train_record(killed)["step"] < 24
     resumed = train(load_config(killed / "config.yaml"), killed, resume=True)
-    assert resumed.step == 60
+    assert resumed.step == 24
+    assert json.loads((killed / "meta.json").read_text())["resumed_from"] == step
     a, b = final_train_record(full), final_train_record(killed)
     assert a["loss"] == b["loss"] and a["windows"] == b["windows"]
 
 
-def test_nan_loss_stops_with_message_and_keeps_last_checkpoint(corpus, tmp_path):
-    cfg = load_config(None, tiny_overrides(corpus, tmp_path / "cache", steps=8) + ["optim.lr=1e6", "optim.grad_clip=0"])
+def poison_loss_at(monkeypatch, bad_step: int) -> None:
+    """Make the training loss NaN from optimizer step ``bad_step`` on (0-based, as set_step sees it)."""
+    from aah.model import GPT
+
+    real_forward, real_set_step = GPT.forward, GPT.set_step
+
+    def set_step(self, step):
+        self._test_step = step
+        return real_set_step(self, step)
+
+    def forward(self, idx, targets=None, **kw):
+        logits, loss = real_forward(self, idx, targets, **kw)
+        if loss is not None and self.training and getattr(self, "_test_step", -1) >= bad_step:
+            loss = loss * float("nan")
+        return logits, loss
+
+    monkeypatch.setattr(GPT, "set_step", set_step)
+    monkeypatch.setattr(GPT, "forward", forward)
+
+
+def test_nan_loss_stops_with_message_and_keeps_last_checkpoint(corpus, tmp_path, monkeypatch):
+    cfg = load_config(None, tiny_overrides(corpus, tmp_path / "cache", steps=12))
     run = tmp_path / "nan"
-    with pytest.raises(TrainingStopped, match="loss became"):
+    poison_loss_at(monkeypatch, 5)  # the sixth step; checkpoints come at 4, 8, 12
+    with pytest.raises(TrainingStopped, match=r"loss became nan at step 5\b") as caught:
         train(cfg, run)
+    assert str(run / "checkpoints") in str(caught.value)
     meta = json.loads((run / "meta.json").read_text())
-    assert meta["status"] == "failed"
-    for _, folder in list_checkpoints(run):
-        state = torch.load(folder / "train_state.pt", weights_only=False)
-        assert state["step"] <= meta["step"]
+    assert meta["status"] == "failed" and meta["step"] == 5 and "step 5" in meta["message"]
+    assert [s for s, _ in list_checkpoints(run)] == [4]  # the good one kept, nothing after the bad step
+    assert ckpt.verify_checkpoint(checkpoint_dir(run, 4))
+    assert max(r["step"] for r in train_records(run)) == 4
+    assert all(math.isfinite(r["loss"]) for r in train_records(run))
 
 
 def test_full_disk_during_checkpoint_leaves_no_partial_files(corpus, tmp_path, monkeypatch):
@@ -169,25 +198,67 @@ def test_full_disk_during_checkpoint_leaves_no_partial_files(corpus, tmp_path, m
     assert not list((run / "checkpoints").glob(".tmp-*"))
 
 
-def test_eval_reports_and_never_changes_controller_state(corpus, tmp_path):
+def test_eval_reports_and_is_repeatable(corpus, tmp_path):
     cfg = load_config(None, tiny_overrides(corpus, tmp_path / "cache"))
     run = tmp_path / "ev"
     train(cfg, run)
-    step, folder = latest_checkpoint(run)
-    before = (folder / "model.safetensors").read_bytes()
     first = evaluate_run(run, device="cpu")
     second = evaluate_run(run, device="cpu")
-    assert (folder / "model.safetensors").read_bytes() == before
     for key in ("val_loss", "acr", "causal_coverage", "executed_coverage", "windows", "bucket_fractions"):
         assert first[key] == second[key]
     assert math.isclose(first["val_ppl"], math.exp(first["val_loss"]), rel_tol=1e-9)
-    assert first["checkpoint_step"] == 12 and first["backend"]
+    assert first["checkpoint_step"] == 12 and first["backend"] and first["skipped_checkpoints"] == []
     assert json.loads((run / "eval.json").read_text())["val_loss"] == first["val_loss"]
     last = final_train_record(run)
     assert first["windows"] == last["windows"]
 
+    # --checkpoint picks an older checkpoint; its windows are those logged at that step.
+    assert main(["eval", str(run), "--checkpoint", "4", "--device", "cpu"]) == 0
+    at4 = json.loads((run / "eval.json").read_text())
+    assert at4["checkpoint_step"] == 4
+    assert at4["windows"] == next(r["windows"] for r in train_records(run) if r["step"] == 4)
+    assert at4["val_loss"] != first["val_loss"]
 
-def test_ctrl_c_finishes_step_writes_checkpoint_and_resume_completes(corpus, tmp_path):
+    # --corpus evaluates on other text and writes a file of its own.
+    other = tmp_path / "other"
+    other.mkdir()
+    for i in range(3):
+        (other / f"o{i}.txt").write_text("All the world's a stage, and all the men and women merely players. " * 20)
+    assert main(["eval", str(run), "--corpus", str(other), "--device", "cpu"]) == 0
+    files = sorted(p.name for p in run.glob("eval_*.json"))
+    assert len(files) == 1 and files[0] != "eval.json"
+    ood = json.loads((run / files[0]).read_text())
+    assert ood["corpus"] == str(other) and ood["checkpoint_step"] == 12
+    assert ood["val_loss"] != first["val_loss"]
+    assert json.loads((run / "eval.json").read_text()) == at4  # the run's own eval is untouched
+
+
+def test_validation_never_changes_controller_state_even_at_a_control_step(corpus, tmp_path):
+    """Evaluation reads the committed windows: a forward at a due control step must not update."""
+    from aah.evaluate.core import validation_loss
+    from aah.train.setup import data_from_config, model_from_config
+
+    cfg = load_config(None, tiny_overrides(corpus, tmp_path / "cache", steps=4))
+    run = tmp_path / "ev"
+    train(cfg, run)
+    data = data_from_config(cfg, verbose=False)
+    model = model_from_config(cfg, data.tokenizer.vocab_size)
+    ckpt.load_checkpoint(checkpoint_dir(run, 4), model)
+    model.train()
+    model.set_step(4)  # warm-up 2, interval 2: step 4 is a control step
+    assert all(c.control_due() for c in model.controllers())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    validation_loss(model, data.val, batch_size=4, max_batches=2, device=torch.device("cpu"))
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert model.training  # restored
+    # The same forward in training mode does update: the check above can fail.
+    x, y = next(iter(data.val.batches(4)))
+    model(x, y)
+    assert not all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_ctrl_c_on_the_command_line_checkpoints_and_exits_130(corpus, tmp_path):
     overrides = tiny_overrides(corpus, tmp_path / "cache", steps=400) + ["train.checkpoint_every=0", "eval.every=0"]
     run = tmp_path / "sigint"
     cfg_path = empty_config(tmp_path)
@@ -203,8 +274,101 @@ def test_ctrl_c_finishes_step_writes_checkpoint_and_resume_completes(corpus, tmp
     assert proc.returncode == 130, out
     found = latest_checkpoint(run)
     assert found is not None and 0 < found[0] < 400
+    meta = json.loads((run / "meta.json").read_text())
+    assert meta["status"] == "interrupted" and meta["step"] == found[0]
+    assert f"aah train --resume {run}" in out
+    assert "Traceback" not in out
+
+
+def signal_during_step(monkeypatch, step: int, sig: int, times: int = 1) -> None:
+    """Deliver ``sig`` to this process ``times`` times while optimizer step ``step`` (0-based) runs."""
+    from aah.model import GPT
+
+    real_set_step = GPT.set_step
+
+    def set_step(self, s):
+        real_set_step(self, s)
+        if s == step:
+            for _ in range(times):
+                os.kill(os.getpid(), sig)
+
+    monkeypatch.setattr(GPT, "set_step", set_step)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_stop_signal_finishes_the_step_checkpoints_and_resume_matches_uninterrupted(corpus, tmp_path, monkeypatch, sig):
+    overrides = tiny_overrides(corpus, tmp_path / "cache", steps=8) + ["eval.every=0", "model.dropout=0.1"]
+    full = train(load_config(None, overrides), tmp_path / "full")
+    run = tmp_path / "stopped"
+    with monkeypatch.context() as m:
+        signal_during_step(m, 4, sig)  # the fifth step finishes, then the run stops at step 5
+        stopped = train(load_config(None, overrides), run)
+    assert (stopped.status, stopped.step) == ("interrupted", 5)
+    assert [s for s, _ in list_checkpoints(run)] == [4, 5]
     assert json.loads((run / "meta.json").read_text())["status"] == "interrupted"
-    assert "--resume" in out
+    assert signal.getsignal(sig) is not None and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    resumed = train(load_config(run / "config.yaml"), run, resume=True)
+    assert (resumed.status, resumed.step) == ("complete", 8)
+    assert resumed.last_loss == full.last_loss
+    assert final_train_record(run)["windows"] == final_train_record(tmp_path / "full")["windows"]
+
+
+def test_second_ctrl_c_stops_at_once_without_a_checkpoint(corpus, tmp_path, monkeypatch):
+    overrides = tiny_overrides(corpus, tmp_path / "cache", steps=8) + ["eval.every=0"]
+    run = tmp_path / "twice"
+    signal_during_step(monkeypatch, 5, signal.SIGINT, times=2)
+    with pytest.raises(KeyboardInterrupt):
+        train(load_config(None, overrides), run)
+    assert [s for s, _ in list_checkpoints(run)] == [4]
+    meta = json.loads((run / "meta.json").read_text())
+    assert meta["status"] == "interrupted" and "stopped at once" in meta["message"]
+    assert meta["step"] == 5  # the sixth step never completed
+
+
+def test_checkpoint_steps_and_tensorboard_events(corpus, tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    overrides = tiny_overrides(corpus, tmp_path / "cache", steps=6) + [
+        "train.checkpoint_every=0", "train.checkpoint_steps=[5,2]", "eval.every=3", "log.tensorboard=true",
+    ]
+    run = tmp_path / "tb"
+    train(load_config(None, overrides), run)
+    assert [s for s, _ in list_checkpoints(run)] == [2, 5, 6]  # the listed steps and the end
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    assert {"train/loss", "train/acr", "train/lr", "eval/val_loss"} <= set(tags)
+    logged = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    expected = [(r["step"], r["loss"]) for r in train_records(run)]
+    assert [s for s, _ in logged] == [s for s, _ in expected] == [2, 4, 6]
+    assert [v for _, v in logged] == pytest.approx([v for _, v in expected], rel=1e-6)
+    assert [e.step for e in events.Scalars("eval/val_loss")] == [3, 6]
+
+
+def test_grad_accumulation_of_two_half_batches_equals_one_full_batch(corpus, tmp_path):
+    base = tiny_overrides(corpus, tmp_path / "cache", regime="full_attention", steps=3) + [
+        "train.checkpoint_every=0", "eval.every=0", "log.every=1", "model.dropout=0.0",
+    ]
+    one = tmp_path / "one"
+    two = tmp_path / "two"
+    a = train(load_config(None, [*base, "train.batch_size=4", "train.grad_accum=1"]), one)
+    b = train(load_config(None, [*base, "train.batch_size=2", "train.grad_accum=2"]), two)
+    # The same four blocks per step (the loader's batch 2p and 2p+1 are the halves of batch p),
+    # so the same mean loss and the same update, up to the order of float additions.
+    for ra, rb in zip(train_records(one), train_records(two), strict=True):
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5)
+        assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-4)
+    assert b.last_loss == pytest.approx(a.last_loss, rel=1e-5)
+    from safetensors.torch import load_file
+
+    wa = load_file(str(checkpoint_dir(one, 3) / "model.safetensors"))
+    wb = load_file(str(checkpoint_dir(two, 3) / "model.safetensors"))
+    for name in wa:
+        torch.testing.assert_close(wb[name], wa[name], rtol=1e-4, atol=1e-5)
+    # A different batch really changes the result (the comparison above can fail).
+    c = train(load_config(None, [*base, "train.batch_size=2", "train.grad_accum=1"]), tmp_path / "half")
+    assert c.last_loss != pytest.approx(a.last_loss, rel=1e-5)
 
 
 @pytest.mark.slow
@@ -226,11 +390,40 @@ def test_torchrun_two_processes_share_windows_and_match_single_process(corpus, t
 
 
 def test_compile_option_trains_with_compiled_feed_forward_blocks(corpus, tmp_path):
+    from torch._dynamo.utils import counters
+
     overrides = tiny_overrides(corpus, tmp_path / "cache", steps=4) + ["train.checkpoint_every=0", "eval.every=0"]
     plain = train(load_config(None, overrides), tmp_path / "plain")
+    counters.clear()
     compiled = train(load_config(None, [*overrides, "train.compile=true"]), tmp_path / "compiled")
     assert compiled.status == "complete"
-    assert compiled.last_loss == pytest.approx(plain.last_loss, rel=1e-3)
+    assert counters["stats"]["unique_graphs"] >= 1, "train.compile=true compiled nothing"
+    # Same maths, other kernels: fp32 agreement to rounding, over four optimizer steps.
+    assert compiled.last_loss == pytest.approx(plain.last_loss, rel=1e-5)
+    assert final_train_record(tmp_path / "compiled")["windows"] == final_train_record(tmp_path / "plain")["windows"]
+
+
+@pytest.mark.slow
+def test_torchrun_resume_with_dropout_is_exact_on_every_rank(corpus, tmp_path):
+    """Each rank draws its own dropout masks; a resume restores every rank's generators."""
+    overrides = tiny_overrides(corpus, tmp_path / "cache", steps=8) + [
+        "train.checkpoint_every=4", "eval.every=0", "model.dropout=0.2", "log.every=1",
+    ]
+    cfg_path = empty_config(tmp_path)
+    ddp = tmp_path / "ddp"
+    done = _torchrun([str(cfg_path), *overrides, "--out", str(ddp)])
+    assert done.returncode == 0, done.stdout + done.stderr
+    state = torch.load(checkpoint_dir(ddp, 4) / "train_state.pt", weights_only=False)
+    ranks = state["rng_per_rank"]
+    assert len(ranks) == 2 and not torch.equal(ranks[0]["torch"], ranks[1]["torch"])
+    uninterrupted = [(r["step"], r["loss"]) for r in train_records(ddp)]
+
+    import shutil
+
+    shutil.rmtree(checkpoint_dir(ddp, 8))  # "crashed" after the step-4 checkpoint
+    done = _torchrun(["--resume", str(ddp)])
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [(r["step"], r["loss"]) for r in train_records(ddp)] == uninterrupted
 
 
 def _torchrun(args: list[str]) -> subprocess.CompletedProcess:

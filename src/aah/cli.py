@@ -35,6 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def one_line(message: str) -> str:
+    """A message on one line: its lines (a YAML parser's, say) joined with spaces."""
+    return " ".join(line.strip() for line in message.splitlines() if line.strip())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -44,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = args.func(args)
     except CLIError as exc:
-        print(f"aah {args.command}: {exc}", file=sys.stderr)
+        print(f"aah {args.command}: {one_line(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

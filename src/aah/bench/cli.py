@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import sys
 
+from ..errors import CLIError
 from .attention import DTYPES, MIXES, bench_attention, format_table
 
 __all__ = ["add_commands"]
@@ -81,20 +81,17 @@ def _add_attention(bench_sub: argparse._SubParsersAction) -> None:
 
 
 def _run_attention(args: argparse.Namespace) -> int:
-    prog = "aah bench attention"
     windows = None
     if args.windows is not None:
         try:
             windows = [int(w) for w in args.windows.split(",") if w.strip()]
         except ValueError:
-            print(f"{prog}: error: --windows must be comma-separated integers, got {args.windows!r}", file=sys.stderr)
-            return 2
+            raise CLIError(f"attention: --windows must be comma-separated integers, got {args.windows!r}") from None
     backends = None
     if args.backends is not None:
         backends = [b.strip() for b in args.backends.split(",") if b.strip()]
         if not backends:
-            print(f"{prog}: error: --backends is empty", file=sys.stderr)
-            return 2
+            raise CLIError("attention: --backends is empty")
     try:
         result = bench_attention(
             seq_len=args.seq_len,
@@ -112,8 +109,7 @@ def _run_attention(args: argparse.Namespace) -> int:
             device=args.device,
         )
     except ValueError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return 2
+        raise CLIError(f"attention: {exc}") from None
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
+from ..config import ConfigError
+from ..errors import CLIError
+from ..train.checkpoint import CheckpointError
 from .core import evaluate_run, print_summary
 
 
@@ -25,16 +27,16 @@ def add_commands(subparsers) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     if args.batches is not None and args.batches < 1:
-        print(f"aah eval: --batches must be >= 1, got {args.batches}", file=sys.stderr)
-        return 2
+        raise CLIError(f"--batches must be >= 1, got {args.batches}")
+    if args.checkpoint is not None and args.checkpoint < 1:
+        raise CLIError(f"--checkpoint must be a step >= 1, got {args.checkpoint}")
     try:
         result = evaluate_run(
             args.run_dir, checkpoint=args.checkpoint, corpus=args.corpus, device=args.device,
             max_batches=args.batches,
         )
-    except (FileNotFoundError, ValueError, RuntimeError) as exc:
-        print(f"aah eval: {exc}", file=sys.stderr)
-        return 2
+    except (ConfigError, CheckpointError, FileNotFoundError, ImportError) as exc:
+        raise CLIError(str(exc)) from None
     print_summary(result)
     print(f"wrote {result['path']}")
     return 0

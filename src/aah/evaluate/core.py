@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ..backends import executed_coverage
 from ..config import load_config
 from ..model import GPT
-from ..train.checkpoint import checkpoint_dir, latest_checkpoint, list_checkpoints, load_checkpoint
+from ..train.checkpoint import checkpoint_at, load_checkpoint, newest_good_checkpoint
 from ..train.distributed import DistInfo
 from ..train.run_dir import write_json_atomic
 from ..train.setup import (
@@ -106,21 +106,21 @@ def evaluate_run(
     max_batches: int | None = None,
     write: bool = True,
 ) -> dict:
-    """Evaluate a checkpoint of ``run_dir`` and (by default) write ``eval.json``."""
+    """Evaluate a checkpoint of ``run_dir`` and (by default) write ``eval.json``.
+
+    Without ``checkpoint`` the newest checkpoint that verifies is used; newer ones that do not
+    are named on stderr and listed under ``skipped_checkpoints``. A ``checkpoint`` step that is
+    missing or bad raises :class:`~aah.train.checkpoint.CheckpointError`.
+    """
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise FileNotFoundError(f"{run_dir} is not a run folder (no config.yaml)")
     cfg = load_config(run_dir / "config.yaml")
+    skipped: list[dict] = []
     if checkpoint is None:
-        found = latest_checkpoint(run_dir)
-        if found is None:
-            raise FileNotFoundError(f"{run_dir} has no checkpoint to evaluate")
-        step, folder = found
+        step, folder, skipped = newest_good_checkpoint(run_dir)
     else:
-        step, folder = checkpoint, checkpoint_dir(run_dir, checkpoint)
-        if not folder.is_dir():
-            have = [s for s, _ in list_checkpoints(run_dir)]
-            raise FileNotFoundError(f"no checkpoint at step {checkpoint} in {run_dir}; available steps: {have}")
+        step, folder = checkpoint, checkpoint_at(run_dir, checkpoint)
     dev = resolve_device(device if device is not None else cfg.train.device)
     data = data_from_config(cfg, corpus=corpus, verbose=False)
     model = model_from_config(cfg, data.tokenizer.vocab_size)
@@ -155,6 +155,7 @@ def evaluate_run(
         "backend": ",".join(backends),
         "device": str(dev),
         "checkpoint_step": step,
+        "skipped_checkpoints": skipped,
         "corpus": corpus or cfg.data.corpus,
         "seq_len": seq_len,
         "regime": cfg.aah.regime,

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from ..config import ConfigError
+from ..errors import CLIError
 from ..report import main_table_text, write_report
 from .suite import load_suite, run_suite
 
@@ -29,17 +30,22 @@ def add_commands(subparsers) -> None:
 
 
 def run_experiment(suite_path: str, out: str | None, seeds, jobs: int, overrides=()) -> int:
+    """Run a suite and write its report. A bad suite, override, seed or output folder raises
+    :class:`CLIError` before any run starts; runs that fail are listed and give exit status 1."""
+    if jobs < 1:
+        raise CLIError(f"--jobs must be >= 1, got {jobs}")
+    if seeds is not None and any(s < 0 for s in seeds):
+        raise CLIError(f"--seeds must be >= 0, got {list(seeds)}")
     try:
         suite = load_suite(suite_path)
         out_dir = Path(out) if out else Path("runs") / suite.name
-        if jobs < 1:
-            raise ConfigError(f"--jobs must be >= 1, got {jobs}")
+        if out_dir.exists() and not out_dir.is_dir():
+            raise ConfigError(f"--out: {out_dir} is a file, not a folder")
         specs, failures = run_suite(
             suite, out_dir, seeds=tuple(seeds) if seeds else None, jobs=jobs, extra_overrides=tuple(overrides)
         )
     except ConfigError as exc:
-        print(f"aah experiment: {exc}", file=sys.stderr)
-        return 2
+        raise CLIError(str(exc)) from None
     for spec, code, detail in failures:
         print(f"run {spec.name} failed (exit {code}): {detail}", file=sys.stderr)
     done = [s.run_dir for s in specs if (s.run_dir / "meta.json").is_file()]

@@ -8,9 +8,9 @@ to ``--out`` (default ``report``).
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
+from ..errors import CLIError
 from . import write_report
 from .runs import find_run_dirs, load_runs
 from .tables import training_table
@@ -33,19 +33,22 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_report(args: argparse.Namespace) -> int:
-    """Entry point of ``aah report``; returns the process exit status."""
+    """Entry point of ``aah report``; returns the process exit status (CLIError: exit 2)."""
     try:
         run_dirs = find_run_dirs(args.run_dirs)
     except FileNotFoundError as exc:
-        print(f"aah report: {exc}", file=sys.stderr)
-        return 2
+        raise CLIError(str(exc)) from None
     if not run_dirs:
         names = " ".join(str(p) for p in args.run_dirs)
-        print(f"aah report: no run folders found in {names} "
-              "(a run folder holds meta.json, written when training starts)", file=sys.stderr)
-        return 2
+        raise CLIError(f"no run folders found in {names} "
+                       "(a run folder holds meta.json, written when training starts)")
+    if args.out.exists() and not args.out.is_dir():
+        raise CLIError(f"--out: {args.out} is a file, not a folder")
     runs, _ = load_runs(run_dirs)
     print(training_table(runs).to_markdown())
-    path = write_report(run_dirs, args.out)
+    try:
+        path = write_report(run_dirs, args.out)
+    except PermissionError as exc:
+        raise CLIError(f"cannot write the report to {args.out}: {exc}") from None
     print(f"\n{len(runs)} run(s); report written to {path}")
     return 0

@@ -5,28 +5,44 @@ A checkpoint is one folder ``checkpoints/step_NNNNNNN/`` holding
 * ``model.safetensors``: every model tensor, the controllers' ``aah_state``
   buffers (feature EMA, topology, resolution EMA, windows, scorer weights)
   included;
-* ``train_state.pt``: optimizer, step, data position and RNG states;
-* ``info.json``: step and wall time, for humans.
+* ``train_state.pt``: optimizer, step, data position and RNG states (every
+  rank's under ``torchrun``);
+* ``info.json``: step, wall time and the manifest: the size and sha256 of
+  every other file of the folder.
 
 It is written into a temporary folder and renamed into place, so a crash or a
-full disk never leaves a half-written checkpoint behind.
+full disk never leaves a half-written checkpoint behind. Loading verifies the
+manifest first: a truncated, altered or missing file makes the checkpoint
+*bad* (:class:`CheckpointError`, naming the file and what is wrong), and
+:func:`newest_good_checkpoint` falls back to the newest checkpoint that
+verifies. A checkpoint written before manifests existed (``info.json``
+without ``files``) is loaded unverified, with a warning; if its files cannot
+be read it counts as bad like any other.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
 import shutil
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 __all__ = [
+    "CheckpointError",
     "checkpoint_dir",
+    "verify_checkpoint",
+    "newest_good_checkpoint",
+    "checkpoint_at",
     "list_checkpoints",
     "latest_checkpoint",
     "save_checkpoint",
@@ -40,6 +56,20 @@ __all__ = [
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "train_state.pt"
 INFO_FILE = "info.json"
+#: Version of the ``info.json`` layout; 2 adds the ``files`` manifest.
+FORMAT = 2
+
+
+class CheckpointError(Exception):
+    """A checkpoint that is missing, incomplete or damaged; the message says which file and why."""
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
@@ -63,6 +93,126 @@ def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
 def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
     found = list_checkpoints(run_dir)
     return found[-1] if found else None
+
+
+def _read_info(folder: Path) -> dict:
+    path = folder / INFO_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{INFO_FILE} is missing (the checkpoint was never completed)")
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{INFO_FILE} cannot be read ({exc})") from None
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{INFO_FILE} does not hold a JSON object")
+    return info
+
+
+def verify_checkpoint(folder: Path) -> bool:
+    """Check every file of ``folder`` against its manifest.
+
+    Returns True when the manifest verified, False for an older checkpoint without a
+    manifest (its files exist but cannot be checked); raises :class:`CheckpointError`
+    naming the first problem otherwise.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"no such checkpoint folder {folder}")
+    info = _read_info(folder)
+    files = info.get("files")
+    if files is None:  # written before manifests: check presence and the weights' length only
+        for name in (MODEL_FILE, STATE_FILE):
+            if not (folder / name).is_file():
+                raise CheckpointError(f"{name} is missing")
+        _check_safetensors_length(folder / MODEL_FILE)
+        return False
+    if not isinstance(files, dict) or MODEL_FILE not in files or STATE_FILE not in files:
+        raise CheckpointError(f"the manifest in {INFO_FILE} does not list {MODEL_FILE} and {STATE_FILE}")
+    for name, entry in sorted(files.items()):
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"{name} is missing")
+        size = path.stat().st_size
+        if size != entry.get("bytes"):
+            raise CheckpointError(f"{name} has {size} bytes, the manifest records {entry.get('bytes')} (truncated?)")
+        if sha256_file(path) != entry.get("sha256"):
+            raise CheckpointError(f"{name} does not match its sha256 in the manifest (the file is damaged)")
+    return True
+
+
+def _check_safetensors_length(path: Path) -> None:
+    """A safetensors file is an 8-byte header length, a JSON header and the tensor bytes it
+    describes: a file of another length was cut short (or grew)."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as fh:
+            header_len = int.from_bytes(fh.read(8), "little")
+            if header_len <= 0 or 8 + header_len > size:
+                raise ValueError("header runs past the end of the file")
+            header = json.loads(fh.read(header_len))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        raise CheckpointError(f"{path.name} is not a readable safetensors file ({exc})") from None
+    if 8 + header_len + end != size:
+        raise CheckpointError(f"{path.name} has {size} bytes, its header describes {8 + header_len + end} (truncated?)")
+
+
+def _step_folders(run_dir: Path) -> list[tuple[int, Path]]:
+    """Every ``step_N`` folder of a run, complete or not, newest first."""
+    root = Path(run_dir) / "checkpoints"
+    found = []
+    if root.is_dir():
+        for entry in root.iterdir():
+            if entry.is_dir() and entry.name.startswith("step_") and entry.name[5:].isdigit():
+                found.append((int(entry.name[5:]), entry))
+    return sorted(found, reverse=True)
+
+
+def _warn(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def newest_good_checkpoint(
+    run_dir: Path, *, warn: Callable[[str], None] | None = _warn
+) -> tuple[int, Path, list[dict]]:
+    """The newest checkpoint of ``run_dir`` that verifies, as (step, folder, skipped).
+
+    ``skipped`` lists the newer checkpoints passed over, each ``{"step", "reason"}``;
+    ``warn`` (stderr by default, None for silence) is told about each one and about an
+    unverified older checkpoint. Raises :class:`CheckpointError` when none verifies.
+    """
+    skipped: list[dict] = []
+    folders = _step_folders(run_dir)
+    if not folders:
+        raise CheckpointError(f"{run_dir} has no checkpoint")
+    for step, folder in folders:
+        try:
+            verified = verify_checkpoint(folder)
+        except CheckpointError as exc:
+            skipped.append({"step": step, "reason": str(exc)})
+            if warn is not None:
+                warn(f"skipping checkpoint step {step} ({folder}): {exc}")
+            continue
+        if not verified and warn is not None:
+            warn(f"checkpoint step {step} has no manifest (written by an older version): loading it unverified")
+        return step, folder, skipped
+    reasons = "; ".join(f"step {s['step']}: {s['reason']}" for s in skipped)
+    raise CheckpointError(f"no checkpoint of {run_dir} verifies ({reasons})")
+
+
+def checkpoint_at(run_dir: Path, step: int, *, warn: Callable[[str], None] | None = _warn) -> Path:
+    """The checkpoint folder of ``step``, verified; :class:`CheckpointError` names what is wrong."""
+    folder = checkpoint_dir(run_dir, step)
+    if not folder.is_dir():
+        have = sorted(s for s, _ in _step_folders(run_dir))
+        raise CheckpointError(f"no checkpoint at step {step} in {run_dir}; available steps: {have or 'none'}")
+    try:
+        verified = verify_checkpoint(folder)
+    except CheckpointError as exc:
+        raise CheckpointError(f"checkpoint step {step} ({folder}) is bad: {exc}") from None
+    if not verified and warn is not None:
+        warn(f"checkpoint step {step} has no manifest (written by an older version): loading it unverified")
+    return folder
 
 
 def rng_state() -> dict:
@@ -103,10 +253,18 @@ def save_checkpoint(
         else:
             save_model(model, str(tmp / MODEL_FILE))
         torch.save(train_state, tmp / STATE_FILE)
-        (tmp / INFO_FILE).write_text(json.dumps({"step": step, "time": time.time()}) + "\n")
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
+        # The manifest is hashed from the synced files, so it records what is on disk.
+        files = {
+            f.name: {"bytes": f.stat().st_size, "sha256": sha256_file(f)} for f in sorted(tmp.iterdir())
+        }
+        info = {"format": FORMAT, "step": step, "time": time.time(), "files": files}
+        with open(tmp / INFO_FILE, "w") as fh:
+            fh.write(json.dumps(info, indent=2, sort_keys=True) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -116,19 +274,43 @@ def save_checkpoint(
     return final
 
 
+def _read_failure(folder: Path, name: str, exc: BaseException) -> CheckpointError:
+    return CheckpointError(f"checkpoint {folder}: {name} cannot be read ({type(exc).__name__}: {exc})")
+
+
+def read_train_state(folder: Path, map_location: str | torch.device = "cpu") -> dict:
+    """The training state of a checkpoint (:class:`CheckpointError` if it cannot be read)."""
+    path = Path(folder) / STATE_FILE
+    try:
+        return torch.load(path, map_location=map_location, weights_only=False)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {folder}: {STATE_FILE} is missing") from None
+    except Exception as exc:  # a damaged pickle raises anything from EOFError to UnpicklingError
+        raise _read_failure(folder, STATE_FILE, exc) from None
+
+
 def load_checkpoint(folder: Path, model: torch.nn.Module, *, map_location: str | torch.device = "cpu") -> dict:
-    """Load weights (and AAH state) into ``model``; return the saved training state."""
+    """Load weights (and AAH state) into ``model``; return the saved training state.
+
+    The caller verifies the folder first (:func:`newest_good_checkpoint`, :func:`checkpoint_at`);
+    files that still fail to read (an unverified older checkpoint) raise :class:`CheckpointError`,
+    and a checkpoint of another model shape raises :class:`CheckpointError` naming the keys.
+    """
     folder = Path(folder)
     if not (folder / MODEL_FILE).is_file():
-        raise FileNotFoundError(f"no {MODEL_FILE} in checkpoint {folder}")
-    missing, unexpected = load_model(model, str(folder / MODEL_FILE), strict=False, device=str(map_location))
+        raise CheckpointError(f"checkpoint {folder}: {MODEL_FILE} is missing")
+    try:
+        missing, unexpected = load_model(model, str(folder / MODEL_FILE), strict=False, device=str(map_location))
+    except (OSError, ValueError, SafetensorError) as exc:
+        raise _read_failure(folder, MODEL_FILE, exc) from None
+    except RuntimeError as exc:  # a tensor of another shape
+        raise CheckpointError(f"checkpoint {folder} does not fit the model: {str(exc).splitlines()[0]}") from None
     real_missing = [k for k in missing if not k.endswith("head.weight")]  # tied to the embedding
     if real_missing or unexpected:
-        raise RuntimeError(
+        raise CheckpointError(
             f"checkpoint {folder} does not fit the model: missing {real_missing[:5]}, unexpected {unexpected[:5]}"
         )
-    state_path = folder / STATE_FILE
-    return torch.load(state_path, map_location=map_location, weights_only=False) if state_path.is_file() else {}
+    return read_train_state(folder, map_location)
 
 
 def _without_shared(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -174,8 +356,11 @@ def load_sharded_checkpoint(folder: Path, model: torch.nn.Module, optimizer: tor
     )
 
     folder = Path(folder)
-    weights = load_file(str(folder / MODEL_FILE))
-    state = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=False)
+    try:
+        weights = load_file(str(folder / MODEL_FILE))
+    except (OSError, ValueError, SafetensorError) as exc:
+        raise _read_failure(folder, MODEL_FILE, exc) from None
+    state = read_train_state(folder)
     options = StateDictOptions(full_state_dict=True, strict=False)
     set_model_state_dict(model, weights, options=options)
     # set_model_state_dict goes through load_state_dict, so the controllers' load hooks run.

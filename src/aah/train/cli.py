@@ -7,7 +7,9 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from ..config import ConfigError, load_config
+from ..config import ConfigError, RunConfig, load_config
+from ..errors import CLIError
+from .checkpoint import CheckpointError
 from .trainer import TrainingStopped, train
 
 
@@ -29,36 +31,39 @@ def add_commands(subparsers) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    """Expected failures (config, missing corpus or package, bad checkpoints) become
+    :class:`CLIError`: one line, exit status 2. A run stopped by a non-finite loss or a failed
+    checkpoint write exits with status 1, an interrupted one with 130."""
     try:
-        if args.resume:
-            if args.config or args.overrides:
-                raise ConfigError("--resume takes the run folder's own config; give no CONFIG or overrides")
-            run_dir = Path(args.resume)
-            if not (run_dir / "config.yaml").is_file():
-                raise ConfigError(f"--resume: {run_dir} is not a run folder (no config.yaml)")
-            cfg = load_config(run_dir / "config.yaml")
-        else:
-            if args.config is None:
-                raise ConfigError("give a CONFIG file (see configs/) or --resume RUN_DIR")
-            cfg = load_config(args.config, args.overrides)
-            run_dir = Path(args.out) if args.out else _default_run_dir(cfg)
-            if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
-                raise ConfigError(
-                    f"--out: {run_dir} already holds checkpoints; use --resume {run_dir} or another folder"
-                )
-    except ConfigError as exc:
-        print(f"aah train: {exc}", file=sys.stderr)
-        return 2
-    try:
+        cfg, run_dir = _config_and_run_dir(args)
         result = train(cfg, run_dir, resume=bool(args.resume))
     except TrainingStopped as exc:
         print(f"aah train: {exc}", file=sys.stderr)
         return 1
-    except (FileNotFoundError, ImportError) as exc:  # a missing corpus or tokenizer package
-        print(f"aah train: {exc}", file=sys.stderr)
-        return 2
+    except (ConfigError, CheckpointError, FileNotFoundError, ImportError) as exc:
+        # ImportError: a missing optional package (tokenizers), named in the message.
+        raise CLIError(str(exc)) from None
     print(f"{result.status} at step {result.step}; run folder: {result.run_dir}")
     return 0 if result.status == "complete" else 130
+
+
+def _config_and_run_dir(args: argparse.Namespace) -> tuple[RunConfig, Path]:
+    if args.resume:
+        if args.config or args.overrides:
+            raise ConfigError("--resume takes the run folder's own config; give no CONFIG or overrides")
+        run_dir = Path(args.resume)
+        if not (run_dir / "config.yaml").is_file():
+            raise ConfigError(f"--resume: {run_dir} is not a run folder (no config.yaml)")
+        return load_config(run_dir / "config.yaml"), run_dir
+    if args.config is None:
+        raise ConfigError("give a CONFIG file (see configs/) or --resume RUN_DIR")
+    cfg = load_config(args.config, args.overrides)
+    run_dir = Path(args.out) if args.out else _default_run_dir(cfg)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError(f"--out: {run_dir} is a file, not a folder")
+    if (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
+        raise ConfigError(f"--out: {run_dir} already holds checkpoints; use --resume {run_dir} or another folder")
+    return cfg, run_dir
 
 
 def _default_run_dir(cfg) -> Path:

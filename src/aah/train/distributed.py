@@ -17,10 +17,12 @@ from torch import nn
 
 __all__ = [
     "DistInfo",
+    "all_gather_objects",
     "all_ranks_equal",
     "all_reduce_mean",
     "any_rank",
     "barrier",
+    "broadcast_object",
     "init_distributed",
     "shutdown",
     "wrap_model",
@@ -60,7 +62,14 @@ def wrap_model(model: nn.Module, info: DistInfo, strategy: str, device: torch.de
     if not info.enabled:
         return model
     if strategy == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:  # public from torch 2.6 on
+            from ..config import ConfigError
+
+            raise ConfigError(
+                f"train.distributed=fsdp needs torch >= 2.6 (FSDP2 fully_shard); this is torch {torch.__version__}"
+            ) from None
 
         for block in model.blocks:
             fully_shard(block)
@@ -98,6 +107,24 @@ def all_ranks_equal(value: torch.Tensor, info: DistInfo, device: torch.device) -
     gathered = [torch.empty_like(mine) for _ in range(info.world_size)]
     dist.all_gather(gathered, mine)
     return all(bool(torch.equal(g, mine)) for g in gathered)
+
+
+def all_gather_objects(obj: object, info: DistInfo) -> list:
+    """Every rank's ``obj`` in rank order (``[obj]`` in one process)."""
+    if not info.enabled:
+        return [obj]
+    out: list = [None] * info.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: object, info: DistInfo, src: int = 0) -> object:
+    """Rank ``src``'s ``obj`` on every rank (``obj`` itself in one process)."""
+    if not info.enabled:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
 
 
 def barrier(info: DistInfo) -> None:

@@ -6,7 +6,7 @@ import contextlib
 
 import torch
 
-from ..config import RunConfig, controller_config, model_config
+from ..config import ConfigError, RunConfig, controller_config, model_config
 from ..data import Data, build_data
 from ..model import GPT
 from ..windows import bucket_fractions
@@ -15,12 +15,12 @@ __all__ = ["resolve_device", "autocast_context", "data_from_config", "model_from
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
-    """``auto`` = CUDA when available, else CPU; ``cuda`` without a GPU is an error."""
+    """``auto`` = CUDA when available, else CPU; ``cuda`` without a GPU is a :class:`ConfigError`."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError("train.device is 'cuda' but no CUDA device is available; use 'cpu' or 'auto'")
+            raise ConfigError("device 'cuda' was asked for but no CUDA device is available; use 'cpu' or 'auto'")
         return torch.device("cuda", local_rank)
     return torch.device(name)
 
@@ -37,10 +37,22 @@ def autocast_context(precision: str, device: torch.device):
 
 def data_from_config(cfg: RunConfig, *, rank: int = 0, world_size: int = 1, corpus: str | None = None,
                      verbose: bool = True) -> Data:
+    """The run's data; a corpus or tokenizer setting that cannot work raises :class:`ConfigError`
+    (a missing corpus or package keeps its own ``FileNotFoundError`` / ``ImportError``)."""
     d = cfg.data
     val_corpus = d.val_corpus
     if corpus is not None and corpus != d.corpus:
         val_corpus = corpus  # evaluate on another corpus as out-of-domain text
+    try:
+        return _build(cfg, val_corpus, rank, world_size, verbose)
+    except ConfigError:
+        raise
+    except ValueError as exc:  # the corpus or tokenizer settings do not work together
+        raise ConfigError(f"data: {exc}") from None
+
+
+def _build(cfg: RunConfig, val_corpus: str | None, rank: int, world_size: int, verbose: bool) -> Data:
+    d = cfg.data
     return build_data(
         corpus=d.corpus,
         tokenizer=d.tokenizer,

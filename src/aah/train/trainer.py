@@ -31,20 +31,23 @@ from ..config import RunConfig, config_to_dict, save_config
 from ..evaluate.core import validation_loss
 from ..model import GPT
 from .checkpoint import (
+    CheckpointError,
     full_state_dicts,
-    latest_checkpoint,
     load_checkpoint,
     load_sharded_checkpoint,
+    newest_good_checkpoint,
     rng_state,
     save_checkpoint,
     set_rng_state,
 )
 from .distributed import (
     DistInfo,
+    all_gather_objects,
     all_ranks_equal,
     all_reduce_mean,
     any_rank,
     barrier,
+    broadcast_object,
     init_distributed,
     shutdown,
     wrap_model,
@@ -119,6 +122,11 @@ class _StopFlag:
             signal.signal(sig, handler)
 
 
+def rank_seed(seed: int, rank: int) -> int:
+    """The torch seed of rank ``rank`` > 0 after the (shared) model initialisation."""
+    return (int(seed) * 1_000_003 + 7919 * int(rank)) % (2**63)
+
+
 def _checkpoint_steps(cfg: RunConfig) -> set[int]:
     t = cfg.train
     steps = set(t.checkpoint_steps) | {t.max_steps}
@@ -148,6 +156,10 @@ class _Training:
         verbose = info.is_main
         self.data = data_from_config(cfg, rank=info.rank, world_size=info.world_size, verbose=verbose)
         self.model: GPT = model_from_config(cfg, self.data.tokenizer.vocab_size).to(self.device)
+        if info.rank > 0:
+            # Every rank built the same weights from train.seed; from here on each rank draws
+            # its own dropout masks (rank 0 keeps the single-process stream).
+            torch.manual_seed(rank_seed(cfg.train.seed, info.rank))
         self.ddp_model = wrap_model(self.model, info, cfg.train.distributed, self.device)
         if cfg.train.compile:
             # Compile the feed-forward blocks only: the attention path holds the controller's
@@ -208,23 +220,56 @@ class _Training:
         )
 
     def _resume(self) -> None:
-        found = latest_checkpoint(self.run_dir)
-        if found is None:
-            raise TrainingStopped(f"nothing to resume in {self.run_dir}: it has no complete checkpoint")
-        step, folder = found
+        # Rank 0 picks the newest checkpoint that verifies (saying which it skipped and why);
+        # every rank loads that one.
+        choice: tuple[int, str] | str
+        skipped: list[dict] = []
+        if self.info.is_main:
+            try:
+                step, folder, skipped = newest_good_checkpoint(self.run_dir)
+                choice = (step, str(folder))
+            except CheckpointError as exc:
+                choice = f"nothing to resume in {self.run_dir}: {exc}"
+        else:
+            choice = ""
+        choice = broadcast_object(choice, self.info)
+        if isinstance(choice, str):
+            raise CheckpointError(choice)
+        step, folder = choice[0], Path(choice[1])
         if self.sharded:
             state = load_sharded_checkpoint(folder, self.model, self.optimizer)
         else:
             state = load_checkpoint(folder, self.model, map_location=self.device)
             self.optimizer.load_state_dict(state["optimizer"])
         self.data.train.load_state_dict(state["data"])
-        set_rng_state(state["rng"])
+        self._restore_rng(state)
         self.step = step
         self.train_time = state.get("train_time", 0.0)
         self.last_logged_windows = state.get("last_logged_windows", self.last_logged_windows)
         if self.info.is_main:
-            update_meta(self.run_dir, status="running", resumed_from=step, end_time=None)
+            update_meta(self.run_dir, status="running", resumed_from=step, end_time=None,
+                        skipped_checkpoints=skipped)
             print(f"resuming {self.run_dir} from step {step}", file=sys.stderr)
+
+    def _restore_rng(self, state: dict) -> None:
+        """Give every rank back its own generator states (dropout masks continue exactly)."""
+        per_rank = state.get("rng_per_rank")
+        rank, world = self.info.rank, self.info.world_size
+        if per_rank is not None and len(per_rank) == world:
+            set_rng_state(per_rank[rank])
+            return
+        saved_world = len(per_rank) if per_rank is not None else 1
+        if rank == 0:
+            set_rng_state(state["rng"])
+        else:
+            torch.manual_seed(rank_seed(self.cfg.train.seed, rank) + 104729 * state["step"])
+        if world != saved_world and self.info.is_main:
+            print(
+                f"warning: the checkpoint was written by {saved_world} process(es), this run has {world}: "
+                "ranks without a saved RNG state draw fresh dropout masks, so with model.dropout > 0 "
+                "the resumed run is not bit-identical to an uninterrupted one",
+                file=sys.stderr,
+            )
 
     # ------------------------------------------------------------------ loop
     def run(self) -> TrainResult:
@@ -363,21 +408,23 @@ class _Training:
     def _checkpoint(self) -> None:
         error = None
         full = full_state_dicts(self.model, self.optimizer) if self.sharded else None  # all ranks
+        rngs = all_gather_objects(rng_state(), self.info)  # every rank's generators, rank order
         if self.info.is_main:
             try:
-                self._write_checkpoint(full)
+                self._write_checkpoint(full, rngs)
             except TrainingStopped as exc:
                 error = exc
         if any_rank(error is not None, self.info, self.device):  # all ranks stop together, none waits forever
             raise error or TrainingStopped(f"rank 0 could not write the checkpoint of step {self.step}")
 
-    def _write_checkpoint(self, full: tuple[dict, dict] | None = None) -> None:
+    def _write_checkpoint(self, full: tuple[dict, dict] | None, rngs: list[dict]) -> None:
         weights, optimizer_state = full if full is not None else (self.model, self.optimizer.state_dict())
         state = {
             "step": self.step,
             "optimizer": optimizer_state,
             "data": self.data.train.state_dict(),
-            "rng": rng_state(),
+            "rng": rngs[0],
+            "rng_per_rank": rngs,
             "train_time": self.train_time,
             "last_logged_windows": self.last_logged_windows,
             "config": config_to_dict(self.cfg),
