@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-__all__ = ["ControllerConfig", "GROUPINGS", "TOPOLOGIES", "SCORINGS"]
+__all__ = ["ControllerConfig", "GROUPINGS", "TOPOLOGIES", "SCORINGS", "WINDOW_GRANULARITIES"]
 
 #: How level-0 items are formed: cosine clustering of head features (5.4),
 #: one item per head (Grouping off), or a fixed seeded random bipartition.
@@ -22,6 +22,10 @@ TOPOLOGIES = ("adaptive", "frozen", "reuse_level0", "freeze_after_warmup")
 #: base scorer only, a deterministic entropy/usage rule, one fixed window, or
 #: no control at all (windows stay at the full-window start).
 SCORINGS = ("joint", "independent", "simple", "fixed", "none")
+#: Which heads share one window: each query head its own (the paper), or the
+#: query heads of one KV head under grouped-query attention (our option: the
+#: group takes the largest index its heads chose, so KV memory equals ACR).
+WINDOW_GRANULARITIES = ("head", "kv_group")
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,7 @@ class ControllerConfig:
     base_hidden: int = 16
     joint_hidden: int = 64
     seed: int = 0
+    window_granularity: str = "head"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -81,7 +86,12 @@ class ControllerConfig:
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 fail(name, f"must be in [0, 1), got {value}")
-        for name, allowed in (("grouping", GROUPINGS), ("topology", TOPOLOGIES), ("scoring", SCORINGS)):
+        for name, allowed in (
+            ("grouping", GROUPINGS),
+            ("topology", TOPOLOGIES),
+            ("scoring", SCORINGS),
+            ("window_granularity", WINDOW_GRANULARITIES),
+        ):
             if getattr(self, name) not in allowed:
                 fail(name, f"must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
         shape = tuple(self.hierarchy)
