@@ -86,7 +86,12 @@ def _load(run_dir: Path, checkpoint: int | None, device: str):
     """The run's tokenizer, model (weights loaded, eval mode) and checkpoint step."""
     from .config import ConfigError, load_config
     from .data.tokenizers import get_tokenizer
-    from .train.checkpoint import checkpoint_dir, latest_checkpoint, list_checkpoints, load_checkpoint
+    from .train.checkpoint import (
+        checkpoint_dir,
+        latest_checkpoint,
+        list_checkpoints,
+        load_checkpoint,
+    )
     from .train.setup import model_from_config
 
     if not run_dir.is_dir():
