@@ -192,6 +192,10 @@ class LayerKVCache:
                     mask_table=_window_mask_table(wins_t, cap) if min_window < cap else None,
                 )
             )
+        # The buckets are consecutive ranges of KV heads in order: outputs join with one cat.
+        self._in_order = all(b.kv_range is not None for b in self._buckets) and [
+            i for b in self._buckets for i in range(*b.kv_range)
+        ] == list(range(num_kv_heads))
 
     # ------------------------------------------------------------------ memory
     def memory_bytes(self) -> int:
@@ -267,8 +271,7 @@ class LayerKVCache:
             self._write(k, v, start)
         elif t == 1:
             # One decode step: the new key's slot held a position no window reaches any more.
-            self._write(k, v, start)
-            y = self._decode_step(q, start + 1, scale)
+            y = self._decode_step(q, k, v, start, scale)
         else:
             y = self._attend_ring(q, k, v, start, scale)
             self._write(k, v, start)
@@ -284,39 +287,49 @@ class LayerKVCache:
             _ring_write(bucket.keys, kb, start + t - n)
             _ring_write(bucket.values, vb, start + t - n)
 
-    def _decode_step(self, q: torch.Tensor, length: int, scale: float) -> torch.Tensor:
-        """One query per head (``q`` (B, H, 1, D)) over the rings, which already hold ``length`` positions.
+    def _decode_step(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, scale: float
+    ) -> torch.Tensor:
+        """Write the key and value of position ``pos``, then attend its query over the rings.
 
-        One ``scaled_dot_product_attention`` call per capacity group; the
-        query heads of a KV head are its rows. No mask unless a query head's
-        window is smaller than the entries its ring holds.
+        ``q`` is (B, H, 1, D). One ``scaled_dot_product_attention`` call per
+        capacity group, the query heads of a KV head being its rows; no mask
+        unless a query head's window is smaller than the entries its ring holds.
         """
         b, h, _, d = q.shape
         dtype = torch.promote_types(q.dtype, self.dtype)
-        qg = q.reshape(b, self.num_kv_heads, self.group, d).to(dtype)
-        out = None
-        if len(self._buckets) > 1:
-            out = torch.empty(b, self.num_kv_heads, self.group, d, dtype=dtype, device=q.device)
+        qg = q.reshape(b, self.num_kv_heads, self.group, d)
+        if qg.dtype != dtype:
+            qg = qg.to(dtype)
+        k1, v1 = k[:, :, 0].detach(), v[:, :, 0].detach()
+        length = pos + 1
+        outs = []
         for bucket in self._buckets:
             cap = bucket.capacity
-            filled = min(length, cap)
+            slot = pos % cap
+            bucket.keys[:, :, slot] = bucket.select(k1)
+            bucket.values[:, :, slot] = bucket.select(v1)
             keys, values = bucket.keys, bucket.values
+            filled = length if length < cap else cap
             if filled < cap:
                 keys, values = keys[:, :, :filled], values[:, :, :filled]
             if keys.dtype != dtype:
                 keys, values = keys.to(dtype), values.to(dtype)
             mask = None
             if bucket.min_window < filled:
-                offset = cap - 1 - (length - 1) % cap
+                offset = cap - 1 - slot
                 mask = bucket.mask_table[..., offset : offset + filled]
-            yb = F.scaled_dot_product_attention(bucket.select(qg), keys, values, attn_mask=mask, scale=scale)
-            if out is None:  # one bucket holding every KV head in order
-                out = yb
-            elif bucket.kv_range is not None:
-                out[:, bucket.kv_range[0] : bucket.kv_range[1]] = yb
-            else:
+            outs.append(F.scaled_dot_product_attention(bucket.select(qg), keys, values, attn_mask=mask, scale=scale))
+        if len(outs) == 1:
+            out = outs[0]
+        elif self._in_order:
+            out = torch.cat(outs, dim=1)
+        else:
+            out = torch.empty(b, self.num_kv_heads, self.group, d, dtype=dtype, device=q.device)
+            for bucket, yb in zip(self._buckets, outs):
                 out[:, bucket.kv_heads] = yb
-        return out.reshape(b, h, 1, d).to(q.dtype)
+        out = out.reshape(b, h, 1, d)
+        return out if out.dtype == q.dtype else out.to(q.dtype)
 
     def _attend_ring(
         self,
