@@ -497,3 +497,19 @@ def test_run_config_key_window_granularity() -> None:
     assert controller_config(cfg).window_granularity == "kv_group"
     with pytest.raises(ConfigError, match=r"aah\.window_granularity.*head, kv_group"):
         load_config(None, ["aah.window_granularity=layer"])
+
+
+def test_bfloat16_model_decodes_through_a_bfloat16_cache() -> None:
+    """End to end in bfloat16 (GQA, mixed windows): close to the float64 reference of the same weights."""
+    windows, kv, _ = CASES["gqa_mixed_rope"]
+    model = make_model(windows, n_kv_heads=kv).to(torch.bfloat16)
+    idx = tokens(2, 40, seed=4)
+    got, cache = cached_logits(model, idx, [12] + [1] * 20 + [8])
+    assert cache.layers[0].dtype == torch.bfloat16 and got.dtype == torch.bfloat16
+    ref = reference_forward(model, idx)["logits"]
+    with torch.no_grad():
+        plain = model(idx)[0].double()
+    # The cached path is as close to the reference as the ordinary bf16 forward is (within 1.5x).
+    err_cached = (got.double() - ref).abs().max().item()
+    err_plain = (plain - ref).abs().max().item()
+    assert err_cached <= 1.5 * err_plain + 1e-3, (err_cached, err_plain)
