@@ -86,7 +86,7 @@ class AAHAttention(nn.Module):
         self.rotary = RotaryEmbedding(self.head_dim, max_seq_len, rope_base) if rope else None
         if controller is not None and controller.enabled:
             self.aah_state: HeadController | None = HeadController(
-                num_heads, controller, max_seq_len=max_seq_len, layer_idx=layer_idx
+                num_heads, controller, max_seq_len=max_seq_len, layer_idx=layer_idx, num_kv_heads=num_kv_heads
             )
         else:
             self.aah_state = None
@@ -105,12 +105,14 @@ class AAHAttention(nn.Module):
         if offset + t > self.max_seq_len:
             raise ValueError(f"sequence length {offset + t} exceeds max_seq_len {self.max_seq_len}")
         h, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q, k, v = self.qkv(x).split([h * d, h_kv * d, h_kv * d], dim=-1)
-        q = q.view(b, t, h, d).transpose(1, 2)
-        k = k.view(b, t, h_kv, d).transpose(1, 2)
-        v = v.view(b, t, h_kv, d).transpose(1, 2)
+        qkv = self.qkv(x).view(b, t, h + 2 * h_kv, d)
         if self.rotary is not None:
-            q, k = self.rotary(q, offset), self.rotary(k, offset)
+            # Queries and keys are rotated in one call: (B, T, H + H_kv, D) seen as (B, heads, T, D).
+            qk = self.rotary(qkv[:, :, : h + h_kv].transpose(1, 2), offset)
+            q, k = qk[:, :h], qk[:, h:]
+        else:
+            q, k = qkv[:, :, :h].transpose(1, 2), qkv[:, :, h : h + h_kv].transpose(1, 2)
+        v = qkv[:, :, h + h_kv :].transpose(1, 2)
         if cache is not None:
             return self._cached_forward(q, k, v, cache)
         if self.aah_state is not None:

@@ -1,4 +1,4 @@
-"""A key/value cache for decoding whose memory follows the per-head windows (paper section 5.8).
+"""A key/value cache for decoding whose memory and reads follow the per-head windows (paper section 5.8).
 
 Windowed execution (section 5.8) means a head with window ``W`` never looks
 further back than ``W - 1`` positions. During autoregressive decoding the cache
@@ -8,10 +8,12 @@ values: a ring buffer in which absolute position ``p`` lives in slot
 
 Grouped-query attention: the query heads that share a KV head may have
 different windows. The KV head's ring buffer keeps ``C = min(max W of its query
-heads, max_len)`` entries, and every query head masks the buffer to its own
-window. Memory per layer is ``sum over KV heads of C * head_dim * 2 (K and V)
-* batch * bytes per element``; :meth:`WindowKVCache.full_memory_bytes` is what
-an ordinary cache of ``max_len`` entries per KV head would take.
+heads, max_len)`` entries, and every query head reads only its own window of
+the buffer. (The controller option ``window_granularity="kv_group"`` gives the
+query heads of a KV head one shared window, so that no entry is kept for a
+subset of them.) Memory per layer is ``sum over KV heads of C * head_dim * 2
+(K and V) * batch * bytes per element``; :meth:`WindowKVCache.full_memory_bytes`
+is what an ordinary cache of ``max_len`` entries per KV head would take.
 
 The windows are read from the model once, when the cache is created (at
 length ``max_len``), and frozen: decoding runs in evaluation mode, where the
@@ -19,12 +21,24 @@ head controller never changes its windows. A forward that finds the model's
 windows changed since then raises an error instead of decoding with stale
 windows.
 
-Prefill into an empty cache runs the normal execution path (:func:`aah.attend`
-with the model's backend) and then stores the last ``C`` keys and values of
-each KV head. Every later call (one token per decode step, or a chunk of
-several) attends in plain PyTorch over the ring buffer plus the new keys, with
-a mask built from the absolute positions held in each slot; the order of the
-slots does not matter because softmax is permutation-invariant.
+Three paths through a layer:
+
+* **Prefill** (the cache is empty): the normal execution path
+  (:func:`aah.attend` with the model's backend), then the last ``C`` keys and
+  values of each KV head are copied into its ring buffer.
+* **One decode step** (one new token): its key and value go into slot
+  ``p % C`` (that slot held position ``p - C``, which no window reaches any
+  more), then one fused ``scaled_dot_product_attention`` call per capacity
+  group attends over the ring. The query heads that share a KV head are the
+  rows of one call, so every cached key is read once per step. Until the ring is
+  full the valid slots are ``0 .. length - 1``, a slice; once it is full every
+  slot is valid and, softmax not caring about the order of the keys, the call
+  needs no mask. Only a query head whose window is smaller than its KV head's
+  ring (GQA with mixed windows) needs a mask; it is a view into a table built
+  once per capacity group, offset by the position modulo ``C``.
+* **A chunk of several tokens after a prefix**: masked attention over the ring
+  plus the new keys, with a causal, per-head window mask built from the absolute
+  position held in each slot; the new entries are written afterwards.
 """
 
 from __future__ import annotations
@@ -35,6 +49,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from torch.nn import functional as F
 
 from .backends import attend
 from .windows import window_tuple
@@ -82,11 +97,48 @@ class _Bucket:
     """KV heads of one layer that share a ring-buffer capacity, stored together."""
 
     kv_heads: torch.Tensor  # (n,) long: which KV heads of the layer
+    kv_range: tuple[int, int] | None  # (first, end) when the KV heads are consecutive
     capacity: int
     windows: torch.Tensor  # (n, group) long: windows of their query heads
+    min_window: int  # smallest window of its query heads
     keys: torch.Tensor  # (B, n, capacity, D)
     values: torch.Tensor  # (B, n, capacity, D)
     all_heads: bool  # the bucket is every KV head, in order (no gather needed)
+    mask_table: torch.Tensor | None = None  # (1, n, group, 2C - 1) bool, see _window_mask
+
+    def select(self, x: torch.Tensor) -> torch.Tensor:
+        """The bucket's KV heads of ``x`` (B, H_kv, ...) along dim 1: a view when they are consecutive."""
+        if self.all_heads:
+            return x
+        if self.kv_range is not None:
+            return x[:, self.kv_range[0] : self.kv_range[1]]
+        return x.index_select(1, self.kv_heads)
+
+
+def _ring_write(ring: torch.Tensor, new: torch.Tensor, first_pos: int) -> None:
+    """Copy ``new`` (B, n, t, D), positions ``first_pos ..``, into ``ring`` (B, n, C, D); t <= C.
+
+    At most two slice copies: the run up to the end of the ring and the wrapped rest.
+    """
+    cap, t = ring.shape[2], new.shape[2]
+    s0 = first_pos % cap
+    run = min(t, cap - s0)
+    ring[:, :, s0 : s0 + run].copy_(new[:, :, :run])
+    if run < t:
+        ring[:, :, : t - run].copy_(new[:, :, run:])
+
+
+def _window_mask_table(windows: torch.Tensor, capacity: int) -> torch.Tensor:
+    """``table[0, i, j, v] = ((C - 1 - v) mod C) < windows[i, j]`` for ``v`` in ``[0, 2C - 1)``.
+
+    After the write at position ``p`` the slot ``s`` holds an entry of age
+    ``(p - s) mod C``; a query head with window ``w`` may read it when that age
+    is below ``w``. The ages of slots ``0 .. n - 1`` are the table's columns
+    ``C - 1 - (p mod C) ..`` (a view; no per-step construction).
+    """
+    v = torch.arange(2 * capacity - 1, device=windows.device)
+    age = torch.remainder(capacity - 1 - v, capacity)
+    return (age[None, None, :] < windows[:, :, None])[None]
 
 
 class LayerKVCache:
@@ -123,17 +175,27 @@ class LayerKVCache:
         for cap in sorted(set(self.capacities)):
             heads = [g for g, c in enumerate(self.capacities) if c == cap]
             wins = [self.windows[g * self.group : (g + 1) * self.group] for g in heads]
+            consecutive = heads == list(range(heads[0], heads[0] + len(heads)))
             shape = (self.batch_size, len(heads), cap, self.head_dim)
+            wins_t = torch.tensor(wins, dtype=torch.long, device=self.device)
+            min_window = min(min(w) for w in wins)
             self._buckets.append(
                 _Bucket(
                     kv_heads=torch.tensor(heads, dtype=torch.long, device=self.device),
+                    kv_range=(heads[0], heads[-1] + 1) if consecutive else None,
                     capacity=cap,
-                    windows=torch.tensor(wins, dtype=torch.long, device=self.device),
+                    windows=wins_t,
+                    min_window=min_window,
                     keys=torch.zeros(shape, dtype=dtype, device=self.device),
                     values=torch.zeros(shape, dtype=dtype, device=self.device),
                     all_heads=len(heads) == num_kv_heads,
+                    mask_table=_window_mask_table(wins_t, cap) if min_window < cap else None,
                 )
             )
+        # The buckets are consecutive ranges of KV heads in order: outputs join with one cat.
+        self._in_order = all(b.kv_range is not None for b in self._buckets) and [
+            i for b in self._buckets for i in range(*b.kv_range)
+        ] == list(range(num_kv_heads))
 
     # ------------------------------------------------------------------ memory
     def memory_bytes(self) -> int:
@@ -190,6 +252,7 @@ class LayerKVCache:
 
         ``q`` is (B, H, T, D) and ``k``, ``v`` are (B, H_kv, T, D), already
         position-encoded at those absolute positions. Returns (B, H, T, D).
+        ``backend`` is used by the prefill only.
         """
         b, h, t, d = q.shape
         if h != self.num_heads or k.shape[1] != self.num_kv_heads or d != self.head_dim:
@@ -208,8 +271,7 @@ class LayerKVCache:
             self._write(k, v, start)
         elif t == 1:
             # One decode step: the new key's slot held a position no window reaches any more.
-            self._write(k, v, start)
-            y = self._attend_ring(q, None, None, start, scale)
+            y = self._decode_step(q, k, v, start, scale)
         else:
             y = self._attend_ring(q, k, v, start, scale)
             self._write(k, v, start)
@@ -218,27 +280,69 @@ class LayerKVCache:
 
     def _write(self, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         t = k.shape[2]
+        k, v = k.detach(), v.detach()
+        for bucket in self._buckets:
+            n = min(t, bucket.capacity)  # only the last ``capacity`` new entries survive
+            kb, vb = bucket.select(k[:, :, t - n :]), bucket.select(v[:, :, t - n :])
+            _ring_write(bucket.keys, kb, start + t - n)
+            _ring_write(bucket.values, vb, start + t - n)
+
+    def _decode_step(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, scale: float
+    ) -> torch.Tensor:
+        """Write the key and value of position ``pos``, then attend its query over the rings.
+
+        ``q`` is (B, H, 1, D). One ``scaled_dot_product_attention`` call per
+        capacity group, the query heads of a KV head being its rows; no mask
+        unless a query head's window is smaller than the entries its ring holds.
+        """
+        b, h, _, d = q.shape
+        dtype = torch.promote_types(q.dtype, self.dtype)
+        qg = q.reshape(b, self.num_kv_heads, self.group, d)
+        if qg.dtype != dtype:
+            qg = qg.to(dtype)
+        k1, v1 = k[:, :, 0].detach(), v[:, :, 0].detach()
+        length = pos + 1
+        outs = []
         for bucket in self._buckets:
             cap = bucket.capacity
-            n = min(t, cap)  # only the last ``cap`` new entries survive
-            slots = torch.remainder(torch.arange(start + t - n, start + t, device=self.device), cap)
-            kb, vb = k[:, :, t - n :], v[:, :, t - n :]
-            if not bucket.all_heads:
-                kb, vb = kb[:, bucket.kv_heads], vb[:, bucket.kv_heads]
-            bucket.keys[:, :, slots] = kb.detach().to(self.dtype)
-            bucket.values[:, :, slots] = vb.detach().to(self.dtype)
+            slot = pos % cap
+            bucket.keys[:, :, slot] = bucket.select(k1)
+            bucket.values[:, :, slot] = bucket.select(v1)
+            keys, values = bucket.keys, bucket.values
+            filled = length if length < cap else cap
+            if filled < cap:
+                keys, values = keys[:, :, :filled], values[:, :, :filled]
+            if keys.dtype != dtype:
+                keys, values = keys.to(dtype), values.to(dtype)
+            mask = None
+            if bucket.min_window < filled:
+                offset = cap - 1 - slot
+                mask = bucket.mask_table[..., offset : offset + filled]
+            outs.append(F.scaled_dot_product_attention(bucket.select(qg), keys, values, attn_mask=mask, scale=scale))
+        if len(outs) == 1:
+            out = outs[0]
+        elif self._in_order:
+            out = torch.cat(outs, dim=1)
+        else:
+            out = torch.empty(b, self.num_kv_heads, self.group, d, dtype=dtype, device=q.device)
+            for bucket, yb in zip(self._buckets, outs):
+                out[:, bucket.kv_heads] = yb
+        out = out.reshape(b, h, 1, d)
+        return out if out.dtype == q.dtype else out.to(q.dtype)
 
     def _attend_ring(
         self,
         q: torch.Tensor,
-        k_new: torch.Tensor | None,
-        v_new: torch.Tensor | None,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
         start: int,
         scale: float,
     ) -> torch.Tensor:
-        """Masked attention of the new queries over the ring buffer (plus ``k_new``, ``v_new`` if given).
+        """Masked attention of several new queries over the ring buffer plus ``k_new``, ``v_new``.
 
-        With ``k_new`` None the new keys must already be in the buffer.
+        Scores are computed in at least float32. The mask is built from the
+        absolute position each slot holds, so the slot order does not matter.
         """
         b, h, t, d = q.shape
         compute = torch.promote_types(q.dtype, torch.float32)
@@ -247,23 +351,17 @@ class LayerKVCache:
         out = None
         if len(self._buckets) > 1:
             out = torch.empty(b, self.num_kv_heads, self.group, t, d, dtype=compute, device=q.device)
-        written = start if k_new is not None else start + t
         for bucket in self._buckets:
-            keys, values = bucket.keys, bucket.values
-            k_pos = slot_positions(written, bucket.capacity, self.device)
-            qb = qg if bucket.all_heads else qg[:, bucket.kv_heads]
-            if k_new is not None:
-                kn, vn = (k_new, v_new) if bucket.all_heads else (k_new[:, bucket.kv_heads], v_new[:, bucket.kv_heads])
-                keys = torch.cat([keys, kn.to(keys.dtype)], dim=2)
-                values = torch.cat([values, vn.to(values.dtype)], dim=2)
-                k_pos = torch.cat([k_pos, q_pos])
+            k_pos = torch.cat([slot_positions(start, bucket.capacity, self.device), q_pos])
+            keys = torch.cat([bucket.keys.to(compute), bucket.select(k_new).to(compute)], dim=2)
+            values = torch.cat([bucket.values.to(compute), bucket.select(v_new).to(compute)], dim=2)
             # allowed[g, j, i, s]: query i of the j-th query head of KV head g may read slot s.
             dist = q_pos[:, None] - k_pos[None, :]  # (T, S)
             allowed = (k_pos >= 0)[None, None, None, :] & (dist >= 0)[None, None]
             allowed = allowed & (dist[None, None] < bucket.windows[:, :, None, None])
-            scores = torch.einsum("bgjtd,bgsd->bgjts", qb.to(compute), keys.to(compute)) * scale
+            scores = torch.einsum("bgjtd,bgsd->bgjts", bucket.select(qg).to(compute), keys) * scale
             scores = scores.masked_fill(~allowed, float("-inf"))
-            yb = torch.einsum("bgjts,bgsd->bgjtd", scores.softmax(dim=-1), values.to(compute))
+            yb = torch.einsum("bgjts,bgsd->bgjtd", scores.softmax(dim=-1), values)
             if out is None:  # one bucket holding every KV head in order
                 out = yb
             else:

@@ -297,6 +297,7 @@ class AAHConfig(_Section):
     diagnostic_queries: int | None = None
     base_hidden: int | None = None
     joint_hidden: int | None = None
+    window_granularity: str | None = None
 
     def overrides(self) -> dict[str, Any]:
         """The ControllerConfig fields this section sets (all but ``regime`` and unset ones)."""

@@ -12,12 +12,14 @@ the cache of a model takes next to a full cache of the same length.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from .cache import kv_capacities
 from .model import GPT
 
-__all__ = ["generate", "cache_memory_report"]
+__all__ = ["generate", "iter_tokens", "cache_memory_report"]
 
 
 def _check_prompt(model: GPT, prompt_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
@@ -43,9 +45,18 @@ def _check_prompt(model: GPT, prompt_ids: torch.Tensor, max_new_tokens: int) -> 
 
 
 def _next_token(
-    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    generator: torch.Generator | None,
+    top_p: float | None = None,
 ) -> torch.Tensor:
-    """Pick one token per row from ``logits`` (B, V): argmax, or a sample at ``temperature``."""
+    """Pick one token per row from ``logits`` (B, V): argmax, or a sample at ``temperature``.
+
+    ``top_k`` keeps the ``k`` most likely tokens; ``top_p`` then keeps the
+    smallest set of most likely tokens whose probability reaches ``p`` (nucleus
+    sampling; the most likely token is always kept).
+    """
     if temperature == 0.0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
@@ -53,7 +64,23 @@ def _next_token(
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(dim=-1)
+    if top_p is not None and top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of the more likely tokens
+        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    if generator is not None and probs.device != generator.device:
+        return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(probs.device)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
 
 
 def generate(
@@ -63,6 +90,7 @@ def generate(
     *,
     temperature: float = 0.0,
     top_k: int | None = None,
+    top_p: float | None = None,
     generator: torch.Generator | None = None,
     use_cache: bool = True,
 ) -> torch.Tensor:
@@ -72,57 +100,75 @@ def generate(
     length); the result has the same rank and ``T + max_new_tokens`` columns.
     ``temperature=0`` is greedy decoding; otherwise tokens are sampled from
     ``softmax(logits / temperature)``, restricted to the ``top_k`` most likely
-    tokens when ``top_k`` is given, drawing from ``generator``. The tokens fed
+    tokens when ``top_k`` is given and to the nucleus of mass ``top_p`` when
+    ``top_p`` is given, drawing from ``generator``. The tokens fed
     to the model (``T + max_new_tokens - 1``) must fit in its ``max_seq_len``.
     The model is put in evaluation mode for the call and restored afterwards.
     """
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
     ids = _check_prompt(model, prompt_ids, max_new_tokens)
     squeeze = ids.dim() == 1
-    if squeeze:
-        ids = ids[None]
-    device = model.embed.weight.device
-    ids = ids.to(device)
+    new = list(
+        iter_tokens(
+            model, ids if not squeeze else ids[None], max_new_tokens, temperature=temperature,
+            top_k=top_k, top_p=top_p, generator=generator, use_cache=use_cache,
+        )
+    )
+    ids = ids.to(model.embed.weight.device)
+    out = torch.cat([ids if not squeeze else ids[None]] + [t[:, None] for t in new], dim=1)
+    return out[0] if squeeze else out
+
+
+def iter_tokens(
+    model: GPT,
+    prompt_ids: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+    use_cache: bool = True,
+    cache_out: list | None = None,
+) -> Iterator[torch.Tensor]:
+    """Yield the new tokens one step at a time: a LongTensor (B,) per step, for streaming.
+
+    ``prompt_ids`` is (B, T); the arguments are those of :func:`generate`.
+    The model runs in evaluation mode without gradients while the iterator
+    runs and gets its previous mode back when it ends. With ``cache_out`` (a
+    list), the cache is appended to it once created (to report its memory).
+    """
+    _check_sampling(temperature, top_k, top_p)
+    ids = _check_prompt(model, prompt_ids, max_new_tokens)
+    if ids.dim() != 2:
+        raise ValueError(f"prompt_ids must have shape (B, T), got {tuple(ids.shape)}")
+    if max_new_tokens == 0:
+        return
+    ids = ids.to(model.embed.weight.device)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            out = _decode(model, ids, max_new_tokens, temperature, top_k, generator, use_cache)
+            cache = None
+            if use_cache:
+                cache = model.new_cache(ids.shape[0], ids.shape[1] + max_new_tokens - 1)
+                if cache_out is not None:
+                    cache_out.append(cache)
+                logits, _ = model(ids, cache=cache)
+            else:
+                logits, _ = model(ids)
+            tokens = [ids]
+            for step in range(max_new_tokens):
+                nxt = _next_token(logits[:, -1], temperature, top_k, generator, top_p)
+                yield nxt
+                if step == max_new_tokens - 1:
+                    break
+                tokens.append(nxt[:, None])
+                if cache is not None:
+                    logits, _ = model(nxt[:, None], cache=cache)
+                else:
+                    logits, _ = model(torch.cat(tokens, dim=1))
     finally:
         model.train(was_training)
-    return out[0] if squeeze else out
-
-
-def _decode(
-    model: GPT,
-    ids: torch.Tensor,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int | None,
-    generator: torch.Generator | None,
-    use_cache: bool,
-) -> torch.Tensor:
-    if max_new_tokens == 0:
-        return ids
-    tokens = [ids]
-    if use_cache:
-        cache = model.new_cache(ids.shape[0], ids.shape[1] + max_new_tokens - 1)
-        logits, _ = model(ids, cache=cache)
-    else:
-        logits, _ = model(ids)
-    for step in range(max_new_tokens):
-        nxt = _next_token(logits[:, -1], temperature, top_k, generator)[:, None]
-        tokens.append(nxt)
-        if step == max_new_tokens - 1:
-            break
-        if use_cache:
-            logits, _ = model(nxt, cache=cache)
-        else:
-            logits, _ = model(torch.cat(tokens, dim=1))
-    return torch.cat(tokens, dim=1)
 
 
 def cache_memory_report(

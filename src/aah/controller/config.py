@@ -16,7 +16,10 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-__all__ = ["ControllerConfig", "DIAGNOSTIC_CONTEXTS", "GROUPINGS", "TOPOLOGIES", "SCORINGS", "UPPER_LEVELS"]
+__all__ = [
+    "ControllerConfig", "DIAGNOSTIC_CONTEXTS", "GROUPINGS", "TOPOLOGIES", "SCORINGS", "UPPER_LEVELS",
+    "WINDOW_GRANULARITIES",
+]
 
 #: How level-0 items are formed: cosine clustering of head features (5.4),
 #: one item per head (Grouping off), or a fixed seeded random bipartition.
@@ -36,6 +39,10 @@ DIAGNOSTIC_CONTEXTS = ("executed", "full")
 #: similarity (5.4), or pass-through copies of level 0, one single-child parent
 #: per item (the reference's freeze-after-warmup reading).
 UPPER_LEVELS = ("merge", "passthrough")
+#: Which heads share one window: each query head its own (the paper), or the
+#: query heads of one KV head under grouped-query attention (our option: the
+#: group takes the largest index its heads chose, so KV memory equals ACR).
+WINDOW_GRANULARITIES = ("head", "kv_group")
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,7 @@ class ControllerConfig:
     base_hidden: int = 16  # reference configs: base scorer 29 -> 16 -> K
     joint_hidden: int = 64  # reference configs: joint scorer 116 -> 64 -> 2K
     seed: int = 0
+    window_granularity: str = "head"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -104,6 +112,7 @@ class ControllerConfig:
             ("scoring", SCORINGS),
             ("upper_levels", UPPER_LEVELS),
             ("diagnostics_context", DIAGNOSTIC_CONTEXTS),
+            ("window_granularity", WINDOW_GRANULARITIES),
         ):
             if getattr(self, name) not in allowed:
                 fail(name, f"must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")

@@ -51,6 +51,7 @@ from .selection import (
     map_to_heads,
     resolution_ema,
     select_top_down,
+    share_within_kv_groups,
     simple_policy_index,
 )
 
@@ -115,10 +116,14 @@ class HeadController(nn.Module):
         *,
         max_seq_len: int,
         layer_idx: int = 0,
+        num_kv_heads: int | None = None,
     ):
         super().__init__()
         if num_heads < 1:
             raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if self.num_kv_heads < 1 or num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({num_heads})")
         self.config = config
         self.num_heads = num_heads
         self.max_seq_len = max_seq_len
@@ -344,6 +349,8 @@ class HeadController(nn.Module):
         decision.smoothed_index = resolution_ema(
             self.resolution_index.cpu(), decision.head_index, cfg.resolution_ema, k
         )
+        if cfg.window_granularity == "kv_group":
+            decision.smoothed_index = share_within_kv_groups(decision.smoothed_index, self.num_kv_heads)
         decision.windows = execution_windows(decision.smoothed_index, self.candidates, self.min_window, self.max_seq_len)
         return decision
 

@@ -7,6 +7,10 @@
    exactly the paper's formula, rounding halves up;
 4. execution window ``W_h = clamp(W[c~_h], W_min, T)``.
 
+With ``window_granularity="kv_group"`` (our option, not the paper's) step 3 is
+followed by :func:`share_within_kv_groups`: the query heads that share a KV
+head take the largest index any of them holds, so they execute one window.
+
 All steps are index operations without gradient.
 """
 
@@ -22,6 +26,7 @@ __all__ = [
     "resolution_ema",
     "execution_windows",
     "simple_policy_index",
+    "share_within_kv_groups",
 ]
 
 
@@ -76,3 +81,19 @@ def simple_policy_index(entropy: torch.Tensor, usage: torch.Tensor, num_windows:
     """The deterministic ablation rule: index ``floor(K * (entropy + usage) / 2)``, capped at K - 1."""
     demand = ((entropy.double() + usage.double()) / 2).clamp(0.0, 1.0)
     return torch.floor(demand * num_windows).long().clamp(max=num_windows - 1)
+
+
+def share_within_kv_groups(index: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Every query head takes the largest index of its KV group (``window_granularity="kv_group"``).
+
+    Query head ``h`` belongs to KV group ``h // (H / H_kv)``, as in
+    :func:`aah.attend`. The largest index is kept so that no head executes a
+    shorter window than its own choice; a KV head's cache then holds exactly
+    the window its query heads read. Example with 8 heads and 2 KV heads:
+    ``[0, 0, 1, 0, 0, 3, 2, 0] -> [1, 1, 1, 1, 3, 3, 3, 3]``.
+    """
+    heads = index.shape[0]
+    if num_kv_heads < 1 or heads % num_kv_heads:
+        raise ValueError(f"{heads} heads cannot be split into {num_kv_heads} KV groups")
+    grouped = index.reshape(num_kv_heads, heads // num_kv_heads)
+    return grouped.amax(dim=1, keepdim=True).expand_as(grouped).reshape(heads).clone()
