@@ -86,7 +86,8 @@ class AAHAttention(nn.Module):
         self.rotary = RotaryEmbedding(self.head_dim, max_seq_len, rope_base) if rope else None
         if controller is not None and controller.enabled:
             self.aah_state: HeadController | None = HeadController(
-                num_heads, controller, max_seq_len=max_seq_len, layer_idx=layer_idx
+                num_heads, controller, max_seq_len=max_seq_len, layer_idx=layer_idx,
+                num_kv_heads=num_kv_heads,
             )
         else:
             self.aah_state = None

@@ -10,7 +10,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-__all__ = ["ControllerConfig", "GROUPINGS", "TOPOLOGIES", "SCORINGS"]
+__all__ = [
+    "ControllerConfig", "GROUPINGS", "TOPOLOGIES", "SCORINGS", "BUDGET_SCORINGS", "BUDGET_SCOPES",
+    "WINDOW_GRANULARITIES",
+]
 
 #: How level-0 items are formed: cosine clustering of head features (5.4),
 #: one item per head (Grouping off), or a fixed seeded random bipartition.
@@ -22,6 +25,15 @@ TOPOLOGIES = ("adaptive", "frozen", "reuse_level0", "freeze_after_warmup")
 #: base scorer only, a deterministic entropy/usage rule, one fixed window, or
 #: no control at all (windows stay at the full-window start).
 SCORINGS = ("joint", "independent", "simple", "fixed", "none")
+#: Scorings chosen by a causal-coverage budget instead of the scorers: the
+#: lost-mass knapsack per head (``budgeted``), per AAH group with the parent
+#: clamp (``budgeted_grouped``), and the same window for every head (``uniform``).
+BUDGET_SCORINGS = ("budgeted", "budgeted_grouped", "uniform")
+SCORINGS = SCORINGS + BUDGET_SCORINGS
+#: Where the coverage budget holds: in every layer, or summed over the model.
+BUDGET_SCOPES = ("layer", "model")
+#: What shares a window under grouped-query attention: each query head, or all heads of a KV group.
+WINDOW_GRANULARITIES = ("head", "kv_group")
 
 
 @dataclass(frozen=True)
@@ -56,6 +68,12 @@ class ControllerConfig:
     base_hidden: int = 16
     joint_hidden: int = 64
     seed: int = 0
+    # Budgeted policies (docs/controller.md, "Budgeted windows").
+    budget: float | None = None  # target causal coverage in (0, 1]
+    budget_scope: str = "layer"
+    uniform_exact: bool = False
+    lost_mass_ema: float = 0.9  # EMA of the lost-mass table over control updates
+    window_granularity: str = "head"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -96,6 +114,19 @@ class ControllerConfig:
             fail("diagnostic_queries", f"must be >= 1, got {self.diagnostic_queries}")
         if self.norm_eps <= 0:
             fail("norm_eps", f"must be > 0, got {self.norm_eps}")
+        self._validate_budget(fail)
+
+    def _validate_budget(self, fail) -> None:
+        if self.budget is not None and (
+            isinstance(self.budget, bool) or not isinstance(self.budget, (int, float))
+            or not 0.0 < float(self.budget) <= 1.0
+        ):
+            fail("budget", f"must be a causal coverage in (0, 1], got {self.budget!r}")
+        for name, allowed in (("budget_scope", BUDGET_SCOPES), ("window_granularity", WINDOW_GRANULARITIES)):
+            if getattr(self, name) not in allowed:
+                fail(name, f"must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
+        if not 0.0 <= self.lost_mass_ema < 1.0:
+            fail("lost_mass_ema", f"must be in [0, 1), got {self.lost_mass_ema}")
 
     @property
     def num_levels(self) -> int:
