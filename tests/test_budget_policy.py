@@ -140,8 +140,8 @@ def test_budgeted_grouped_honours_budget_and_parent_clamp():
         assert causal_coverage(windows, T) <= budget + 1e-12
         topology = ctrl.cached_topology()
         assert topology and ctrl.levels_used() == len(topology)
-        # Parent clamp: a head's index never exceeds the index its ancestors' groups could take,
-        # so every level-0 group shares one index, bounded by the largest in its parent.
+        # The level-0 group is the unit of decision: its heads share one window. (The parent
+        # clamp itself is checked on a hand-worked example below.)
         index = ctrl.resolution_index.tolist()
         for group in topology[0]:
             assert len({index[h] for h in group}) == 1
