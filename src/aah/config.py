@@ -35,8 +35,10 @@ from typing import Any, ClassVar, Union
 import yaml
 
 from . import regimes
-from .controller.config import ControllerConfig
+from .controller.budget import check_budget
+from .controller.config import BUDGET_SCORINGS, ControllerConfig
 from .model import GPTConfig
+from .windows import candidate_windows
 
 __all__ = [
     "AAHConfig",
@@ -297,6 +299,10 @@ class AAHConfig(_Section):
     diagnostic_queries: int | None = None
     base_hidden: int | None = None
     joint_hidden: int | None = None
+    budget: float | None = None
+    budget_scope: str | None = None
+    uniform_exact: bool | None = None
+    lost_mass_ema: float | None = None
     window_granularity: str | None = None
 
     def overrides(self) -> dict[str, Any]:
@@ -499,6 +505,12 @@ class RunConfig:
                 "aah.min_window",
                 f"must be <= the model's maximum length {max_len} ({origin}), got {ctrl.min_window}",
             )
+        if ctrl.enabled and ctrl.scoring in BUDGET_SCORINGS:
+            cands = ctrl.windows if ctrl.windows is not None else candidate_windows(max_len)
+            try:
+                check_budget(ctrl.budget, cands, max_len, ctrl.min_window, field="aah.budget")
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         if ctrl.enabled and ctrl.scoring == "fixed":
             count = len(ctrl.windows) if ctrl.windows is not None else 4
             if ctrl.fixed_window_index >= count:

@@ -18,6 +18,7 @@ from torch.nn import functional as F
 from .attention import AAHAttention
 from .cache import LayerKVCache, WindowKVCache
 from .controller import ControllerConfig, HeadController
+from .controller.budgeted import settle_model_budget
 from .windows import acr, causal_coverage
 
 __all__ = ["GPTConfig", "GPT", "NORMS", "ACTIVATIONS", "POSITIONALS"]
@@ -193,6 +194,8 @@ class GPT(nn.Module):
         x = self.dropout(x)
         for i, block in enumerate(self.blocks):
             x = block(x, cache=None if cache is None else cache.layers[i])
+        if self.training and self.controller_config is not None and self.controller_config.budget_scope == "model":
+            settle_model_budget(self.controllers())  # one budget for all layers (aah.budget_scope=model)
         logits = self.head(self.norm(x))
         loss = None
         if targets is not None:

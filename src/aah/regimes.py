@@ -211,6 +211,34 @@ _REGIMES = (
         "Full adaptive with diagnostics against full causal context only (raw grouping features).",
         _FULL_ADAPTIVE.replace(diagnostics_context="full"),
     ),
+    # Budgeted policies and the matched-budget baseline (docs/controller.md, "Budgeted windows").
+    # aah.budget is the target causal coverage; the presets default to half the causal pairs.
+    Regime(
+        "budgeted",
+        "not in the paper: lost-mass knapsack at a coverage budget",
+        "Per-head windows minimising the summed lost attention mass (mass at distance >= W, EMA "
+        "over control updates) subject to causal coverage <= aah.budget, solved exactly per layer "
+        "(or for the whole model with aah.budget_scope=model); default budget 0.5.",
+        ControllerConfig(
+            grouping="per_head", hierarchy=(2,), scoring="budgeted", parent_constraint=False, budget=0.5
+        ),
+    ),
+    Regime(
+        "budgeted_grouped",
+        "not in the paper: the budgeted knapsack on the Full adaptive hierarchy",
+        "Full adaptive's feature hierarchy, each level a lost-mass knapsack over its groups at "
+        "causal coverage <= aah.budget, top down with the parent clamp.",
+        _FULL_ADAPTIVE.replace(scoring="budgeted_grouped", budget=0.5),
+    ),
+    Regime(
+        "uniform_window",
+        "not in the paper: Mistral-style uniform sliding window at a matched budget",
+        "Every head the largest candidate window whose causal coverage is within aah.budget; with "
+        "aah.uniform_exact the first heads take the next larger window, as many as the budget allows.",
+        ControllerConfig(
+            grouping="per_head", hierarchy=(2,), scoring="uniform", parent_constraint=False, budget=0.5
+        ),
+    ),
 )
 
 REGIMES: dict[str, Regime] = {r.name: r for r in _REGIMES}

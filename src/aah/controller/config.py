@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 
 __all__ = [
-    "ControllerConfig", "DIAGNOSTIC_CONTEXTS", "GROUPINGS", "TOPOLOGIES", "SCORINGS", "UPPER_LEVELS",
+    "ControllerConfig", "DIAGNOSTIC_CONTEXTS", "GROUPINGS", "TOPOLOGIES", "SCORINGS", "UPPER_LEVELS", "BUDGET_SCORINGS", "BUDGET_SCOPES",
     "WINDOW_GRANULARITIES",
 ]
 
@@ -39,6 +39,13 @@ DIAGNOSTIC_CONTEXTS = ("executed", "full")
 #: similarity (5.4), or pass-through copies of level 0, one single-child parent
 #: per item (the reference's freeze-after-warmup reading).
 UPPER_LEVELS = ("merge", "passthrough")
+#: Scorings chosen by a causal-coverage budget instead of the scorers: the
+#: lost-mass knapsack per head (``budgeted``), per AAH group with the parent
+#: clamp (``budgeted_grouped``), and the same window for every head (``uniform``).
+BUDGET_SCORINGS = ("budgeted", "budgeted_grouped", "uniform")
+SCORINGS = SCORINGS + BUDGET_SCORINGS
+#: Where the coverage budget holds: in every layer, or summed over the model.
+BUDGET_SCOPES = ("layer", "model")
 #: Which heads share one window: each query head its own (the paper), or the
 #: query heads of one KV head under grouped-query attention (our option: the
 #: group takes the largest index its heads chose, so KV memory equals ACR).
@@ -80,6 +87,11 @@ class ControllerConfig:
     base_hidden: int = 16  # reference configs: base scorer 29 -> 16 -> K
     joint_hidden: int = 64  # reference configs: joint scorer 116 -> 64 -> 2K
     seed: int = 0
+    # Budgeted policies (docs/controller.md, "Budgeted windows").
+    budget: float | None = None  # target causal coverage in (0, 1]
+    budget_scope: str = "layer"
+    uniform_exact: bool = False
+    lost_mass_ema: float = 0.9  # EMA of the lost-mass table over control updates
     window_granularity: str = "head"
 
     def __post_init__(self) -> None:
@@ -128,6 +140,19 @@ class ControllerConfig:
             fail("diagnostic_queries", f"must be >= 1, got {self.diagnostic_queries}")
         if self.norm_eps <= 0:
             fail("norm_eps", f"must be > 0, got {self.norm_eps}")
+        self._validate_budget(fail)
+
+    def _validate_budget(self, fail) -> None:
+        if self.budget is not None and (
+            isinstance(self.budget, bool) or not isinstance(self.budget, (int, float))
+            or not 0.0 < float(self.budget) <= 1.0
+        ):
+            fail("budget", f"must be a causal coverage in (0, 1], got {self.budget!r}")
+        for name, allowed in (("budget_scope", BUDGET_SCOPES), ("window_granularity", WINDOW_GRANULARITIES)):
+            if getattr(self, name) not in allowed:
+                fail(name, f"must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
+        if not 0.0 <= self.lost_mass_ema < 1.0:
+            fail("lost_mass_ema", f"must be in [0, 1), got {self.lost_mass_ema}")
 
     @property
     def num_levels(self) -> int:

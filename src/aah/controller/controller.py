@@ -29,7 +29,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..windows import candidate_windows
-from .config import ControllerConfig
+from . import budgeted
+from .budget import check_budget
+from .config import BUDGET_SCORINGS, ControllerConfig
 from .features import NUM_FEATURES, attention_diagnostics, qkv_moments, statistics_from_moments
 from .hierarchy import (
     Topology,
@@ -45,6 +47,7 @@ from .hierarchy import (
     topology_from_tensor,
     topology_to_tensor,
 )
+from .lost_mass import lost_mass as measure_lost_mass
 from .scoring import SeededMLP, enrich, level_coordinate, score_level
 from .selection import (
     execution_windows,
@@ -142,6 +145,8 @@ class HeadController(nn.Module):
         self.num_windows = len(cands)
         self.min_window = config.min_window if config.min_window is not None else cands[0]
         self.max_levels = max(1, config.num_levels)
+        self.num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        self._check_budget_settings()
         h, k = num_heads, self.num_windows
 
         self.register_buffer("candidate_windows", torch.tensor(cands, dtype=torch.long))
@@ -154,6 +159,9 @@ class HeadController(nn.Module):
         self.register_buffer("windows", torch.full((h,), cands[-1], dtype=torch.long))
         self.register_buffer("last_update_step", torch.tensor(-1, dtype=torch.long))
         self.register_buffer("num_updates", torch.tensor(0, dtype=torch.long))
+        # Lost attention mass per head and candidate (EMA over control updates), see lost_mass.py.
+        self.register_buffer("lost_mass", torch.zeros(h, k))
+        self.register_buffer("lost_mass_ready", torch.tensor(False))
 
         gen = _generator(config.seed, "scorers", layer_idx)
         self.base_scorer = SeededMLP((_ENRICHED, config.base_hidden, k), gen)
@@ -164,9 +172,34 @@ class HeadController(nn.Module):
         self._last_update_step = -1
         self._has_topology = False
         self._decided = False
+        self.budget_pending = False  # model-scope budget: measured this control step, awaiting the model
         self.last_decision: Decision | None = None
         self.last_stop_reason: str | None = None  # why the last hierarchy build stopped growing
         self.register_load_state_dict_post_hook(lambda module, _incompatible: module._refresh_mirrors())
+
+    def _check_budget_settings(self) -> None:
+        cfg = self.config
+        if cfg.window_granularity == "kv_group" and self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"controller.window_granularity: kv_group needs num_heads ({self.num_heads}) divisible "
+                f"by num_kv_heads ({self.num_kv_heads})"
+            )
+        if cfg.scoring not in BUDGET_SCORINGS:
+            return
+        check_budget(cfg.budget, self.candidates, self.max_seq_len, self.min_window)
+        if cfg.scoring == "budgeted_grouped":
+            if cfg.budget_scope != "layer":
+                raise ValueError("controller.budget_scope: budgeted_grouped decides per layer; use layer")
+            if cfg.window_granularity == "kv_group" and self.num_kv_heads != self.num_heads:
+                raise ValueError(
+                    "controller.window_granularity: budgeted_grouped groups heads by features; "
+                    "kv_group is available with scoring budgeted or uniform"
+                )
+
+    @property
+    def is_decided(self) -> bool:
+        """Whether a control decision (or pinned windows) has replaced the full-window start."""
+        return self._decided
 
     # ------------------------------------------------------------------ schedule
     def set_step(self, step: int) -> None:
@@ -221,7 +254,19 @@ class HeadController(nn.Module):
 
     @torch.no_grad()
     def control_update(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Decision:
-        """Observe, decide and commit; then store fresh diagnostics for the next update."""
+        """Observe, decide and commit; then store fresh diagnostics for the next update.
+
+        The lost-mass table is measured first (budgeted scorings decide from it). A
+        model-scope budget commits nothing here: the model solves for all layers
+        once every layer has measured (:func:`.budgeted.settle_model_budget`).
+        """
+        self.record_lost_mass(q, k)
+        if self.config.scoring == "budgeted" and self.config.budget_scope == "model":
+            self.observe(q, k, v)
+            self._mark_step()
+            self.record_diagnostics(q, k, v)
+            self.budget_pending = True
+            return Decision(topology=())
         features = self.observe(q, k, v)
         decision = self.decide(features)
         self.commit(decision)
@@ -264,6 +309,31 @@ class HeadController(nn.Module):
         )
         self.last_diagnostics.copy_(_mean_over_ranks(diag).to(self.last_diagnostics))
         self.has_diagnostics.fill_(True)
+
+    @torch.no_grad()
+    def record_lost_mass(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        """Measure the lost mass at every (clamped) candidate and fold it into the EMA."""
+        windows = [min(max(w, self.min_window), self.max_seq_len) for w in self.candidates]
+        current = measure_lost_mass(
+            q, k, windows, num_queries=self.config.diagnostic_queries, start=self.candidates[0]
+        )
+        current = _mean_over_ranks(current.to(self.lost_mass))
+        if bool(self.lost_mass_ready):
+            alpha = self.config.lost_mass_ema
+            self.lost_mass.mul_(alpha).add_(current, alpha=1.0 - alpha)
+        else:
+            self.lost_mass.copy_(current)
+            self.lost_mass_ready.fill_(True)
+
+    @torch.no_grad()
+    def commit_budget_index(self, head_index: torch.Tensor) -> Decision:
+        """Commit candidate indices chosen by a budget (used by the model-scope solve)."""
+        index = head_index.long().cpu()
+        decision = Decision(topology=(), head_index=index, smoothed_index=index)
+        decision.windows = execution_windows(index, self.candidates, self.min_window, self.max_seq_len)
+        self.commit(decision)
+        self.budget_pending = False
+        return decision
 
     # ------------------------------------------------------------------ topology
     def cached_topology(self) -> Topology | None:
@@ -332,6 +402,8 @@ class HeadController(nn.Module):
         k = self.num_windows
         if cfg.scoring in ("joint", "independent"):
             decision = self._hierarchical_decision(feats)
+        elif cfg.scoring in BUDGET_SCORINGS:
+            decision = self._budget_decision(feats)
         else:
             decision = Decision(topology=())
             if cfg.scoring == "fixed":
@@ -346,9 +418,12 @@ class HeadController(nn.Module):
                 self.num_heads, generator=_generator(cfg.seed, "shuffle", self.layer_idx, int(self.num_updates))
             )
             decision.head_index = decision.head_index[perm]
-        decision.smoothed_index = resolution_ema(
-            self.resolution_index.cpu(), decision.head_index, cfg.resolution_ema, k
-        )
+        if cfg.scoring in BUDGET_SCORINGS:  # committed as chosen: smoothing could break the budget
+            decision.smoothed_index = decision.head_index.clone()
+        else:
+            decision.smoothed_index = resolution_ema(
+                self.resolution_index.cpu(), decision.head_index, cfg.resolution_ema, k
+            )
         if cfg.window_granularity == "kv_group":
             decision.smoothed_index = share_within_kv_groups(decision.smoothed_index, self.num_kv_heads)
         decision.windows = execution_windows(decision.smoothed_index, self.candidates, self.min_window, self.max_seq_len)
@@ -377,6 +452,17 @@ class HeadController(nn.Module):
             level.raw_index, level.index = r_idx, c_idx
         head_index = map_to_heads(topology[0], clamped[0], self.num_heads)
         return Decision(topology=topology, levels=levels, head_index=head_index)
+
+    def _budget_decision(self, feats: torch.Tensor) -> Decision:
+        scoring = self.config.scoring
+        if scoring == "uniform":
+            return Decision(topology=(), head_index=budgeted.uniform_head_index(self))
+        if scoring == "budgeted":
+            if self.config.budget_scope == "model":  # decided by the model; keep the current windows
+                return Decision(topology=(), head_index=self.resolution_index.cpu().clone())
+            return Decision(topology=(), head_index=budgeted.budget_head_index(self))
+        topology = self.topology_for_update(feats)
+        return Decision(topology=topology, head_index=budgeted.grouped_budget_head_index(self, topology))
 
     @torch.no_grad()
     def commit(self, decision: Decision) -> None:
@@ -412,7 +498,7 @@ class HeadController(nn.Module):
     # ------------------------------------------------------------------ reporting
     def levels_used(self) -> int:
         """Hierarchy levels of the current topology (0 before the first build or without one)."""
-        if self.config.scoring not in ("joint", "independent") or not self._has_topology:
+        if self.config.scoring not in ("joint", "independent", "budgeted_grouped") or not self._has_topology:
             return 0
         return int((self.topology[:, 0] >= 0).sum())
 

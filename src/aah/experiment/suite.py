@@ -9,7 +9,15 @@ overrides that apply to every run::
     seeds: [0]
     overrides: [train.max_steps=300]
 
-Runs land in ``OUT/<regime>/seed<seed>``. A run whose ``meta.json`` says
+A suite may run one regime several times with different settings: ``variants``
+names each extra entry of ``regimes`` with the regime whose config it uses and
+its own overrides::
+
+    regimes: [uniform_window, budgeted, budgeted_tight]
+    variants:
+      budgeted_tight: {regime: budgeted, overrides: [aah.budget=0.30]}
+
+Runs land in ``OUT/<name>/seed<seed>`` (``name``: the regime or variant). A run whose ``meta.json`` says
 ``complete`` and that has an ``eval.json`` is skipped; one with checkpoints is
 resumed; anything else starts fresh. The report is written to ``OUT/report``.
 """
@@ -61,9 +69,27 @@ class Suite:
     seeds: tuple[int, ...]
     overrides: tuple[str, ...] = ()
     regime_overrides: dict = field(default_factory=dict)
+    variants: dict = field(default_factory=dict)  # name -> (regime, overrides)
+
+    def regime_of(self, name: str) -> str:
+        """The registered regime an entry of ``regimes`` runs (itself, or its variant's)."""
+        return self.variants[name][0] if name in self.variants else name
 
 
-_KEYS = {"name", "config_dir", "regimes", "seeds", "overrides", "regime_overrides", "description"}
+_KEYS = {"name", "config_dir", "regimes", "seeds", "overrides", "regime_overrides", "description", "variants"}
+
+
+def _variants(raw: object, path: Path) -> dict:
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"suite {path}: variants must map names to {{regime, overrides}}")
+    out = {}
+    for name, spec in raw.items():
+        if not isinstance(spec, dict) or "regime" not in spec or set(spec) - {"regime", "overrides"}:
+            raise ConfigError(f"suite {path}: variant {name!r} needs 'regime' and optional 'overrides' only")
+        out[str(name)] = (str(spec["regime"]), tuple(str(o) for o in spec.get("overrides") or ()))
+    return out
 
 
 def load_suite(path: str | Path) -> Suite:
@@ -83,8 +109,13 @@ def load_suite(path: str | Path) -> Suite:
             raise ConfigError(f"suite {path}: missing key {key!r}")
     config_dir = (path.parent / raw["config_dir"]).resolve()
     regimes = tuple(raw["regimes"])
+    variants = _variants(raw.get("variants"), path)
     known = regime_registry.names()
-    for regime in regimes:
+    for name in variants:
+        if name not in regimes:
+            raise ConfigError(f"suite {path}: variant {name!r} is not listed in regimes")
+    for entry in regimes:
+        regime = variants[entry][0] if entry in variants else entry
         if regime not in known:
             raise ConfigError(f"suite {path}: unknown regime {regime!r}; known regimes: {', '.join(known)}")
         if not (config_dir / f"{regime}.yaml").is_file():
@@ -102,6 +133,7 @@ def load_suite(path: str | Path) -> Suite:
         seeds=seeds,
         overrides=tuple(raw.get("overrides") or ()),
         regime_overrides=regime_overrides,
+        variants=variants,
     )
 
 
@@ -112,10 +144,10 @@ def plan_runs(suite: Suite, out_dir: Path, seeds: tuple[int, ...] | None = None,
     for seed in seeds or suite.seeds:
         for regime in suite.regimes:
             overrides = (
-                *suite.overrides, *suite.regime_overrides.get(regime, ()), *extra_overrides,
-                f"train.seed={seed}",
+                *suite.overrides, *suite.regime_overrides.get(regime, ()),
+                *suite.variants.get(regime, ("", ()))[1], *extra_overrides, f"train.seed={seed}",
             )
-            config = suite.config_dir / f"{regime}.yaml"
+            config = suite.config_dir / f"{suite.regime_of(regime)}.yaml"
             cfg = load_config(config, overrides)  # fail early, naming the key
             specs.append(
                 RunSpec(regime, seed, config, overrides, out_dir / regime / f"seed{seed}", cfg.train.max_steps,

@@ -3,7 +3,9 @@
 :func:`write_report` reads run folders (or folders holding them), and writes
 ``report.md`` with the paper-shaped tables (Tables 4, 5 and 6 of section 7),
 their CSVs, and the training-dynamics, window-bucket and per-head window
-figures (Figures 3 and 4). Numbers are aggregated over seeds, and differences
+figures (Figures 3 and 4), and, for window-policy comparisons, the
+coverage-vs-loss figure, per-layer lost-mass curves and the equal-coverage
+table against the uniform window. Numbers are aggregated over seeds, and differences
 to full attention are paired by seed with 95% Student-t intervals
 (:mod:`aah.report.stats`). :func:`main_table_text` returns the training table
 for printing.
@@ -19,12 +21,13 @@ from pathlib import Path
 from .figures import FigureResult, bucket_matrix, write_figures
 from .runs import Run, display_name, find_run_dirs, group_by_regime, load_run, load_runs
 from .stats import paired_difference, t_quantile_975
-from .tables import Table, inference_table, screening_table, training_table
+from .tables import Table, equal_coverage_table, inference_table, screening_table, training_table
 
 __all__ = [
     "Run",
     "Table",
     "display_name",
+    "equal_coverage_table",
     "find_run_dirs",
     "inference_table",
     "load_run",
@@ -73,6 +76,9 @@ def write_report(run_dirs: list[Path], out_dir: Path) -> Path:
     screening = screening_table(runs)
     if screening is not None:
         tables.append(("screening", screening))
+    policies = equal_coverage_table(runs)
+    if policies is not None:
+        tables.append(("policies", policies))
     for stem, table in tables:
         table.write_csv(out_dir / f"{stem}.csv")
     figures = write_figures(groups, out_dir)
@@ -182,7 +188,8 @@ def _render(runs: Sequence[Run], tables: list[tuple[str, Table]], figures: list[
         *_provenance(runs),
     ]
     headings = {"training": "Training (paper Table 4)", "inference": "Inference (paper Table 6)",
-                "screening": "Screening ablation (paper Table 5)"}
+                "screening": "Screening ablation (paper Table 5)",
+                "policies": "Window policies at equal coverage"}
     for stem, table in tables:
         lines += [f"## {headings[stem]}", "", table.to_markdown(), "",
                   f"CSV: [{stem}.csv]({stem}.csv)", ""]

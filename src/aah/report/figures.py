@@ -8,6 +8,11 @@
 * ``window_buckets.png``: the aggregate window-bucket heatmap, regime x
   window, cells annotated with percentages of final (layer, head) assignments
   (paper Figure 4). Full attention is left out, as in the paper;
+* ``coverage_vs_loss.png``: validation loss (mean and 95% interval over seeds)
+  against causal coverage, one point per regime (per regime and budget for the
+  budgeted policies), measured training tokens/s in the labels;
+* ``lost_mass.png``: per layer, the attention mass beyond each head's window
+  (``lost_mass_chosen_per_layer``) over training;
 * ``windows_<regime>.png``: the per-layer x per-head window map of each
   regime's final checkpoint (the run with the smallest seed that has windows), from
   ``eval.json`` or, failing that, the last training line that logged windows.
@@ -34,8 +39,12 @@ from .stats import bucket_sort_key, mean_fractions
 __all__ = [
     "FigureResult",
     "bucket_matrix",
+    "coverage_points",
+    "layer_curve",
     "mean_curve",
     "plot_bucket_heatmap",
+    "plot_coverage_vs_loss",
+    "plot_lost_mass",
     "plot_train_metric",
     "plot_val_loss",
     "plot_window_map",
@@ -197,7 +206,7 @@ def plot_bucket_heatmap(groups: dict[str, list[Run]], path: Path) -> FigureResul
 def plot_window_map(run: Run, path: Path) -> FigureResult:
     """Per-layer x per-head windows of ``run``'s final checkpoint, colour on a log2 scale."""
     seed = f" (seed {run.seed})" if run.seed is not None else ""
-    title = f"{display_name(run.regime)}{seed}: final window per layer and head"
+    title = f"{display_name(run.policy)}{seed}: final window per layer and head"
     found = run.final_windows()
     if found is None:
         return FigureResult(title, note=f"`{run.name}` recorded no per-head windows")
@@ -236,6 +245,8 @@ def write_figures(groups: dict[str, list[Run]], out_dir: Path) -> list[FigureRes
         plot_train_metric(groups, colors, "levels_used", "Hierarchy levels used",
                           out_dir / "levels_used.png"),
         plot_bucket_heatmap(groups, out_dir / "window_buckets.png"),
+        plot_coverage_vs_loss(groups, colors, out_dir / "coverage_vs_loss.png"),
+        plot_lost_mass(groups, colors, out_dir / "lost_mass.png"),
     ]
     for regime, runs in groups.items():
         with_windows = [r for r in runs if r.final_windows() is not None] or runs
@@ -246,3 +257,94 @@ def write_figures(groups: dict[str, list[Run]], out_dir: Path) -> list[FigureRes
 
 def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
+
+
+# --- window policies at a coverage budget ------------------------------------------------------
+def _mean_ci(values: Sequence[float]) -> tuple[float, float | None]:
+    """Mean and the half-width of its 95% Student-t interval (``None`` with one value)."""
+    from .stats import t_quantile_975
+
+    m = float(np.mean(values))
+    if len(values) < 2:
+        return m, None
+    return m, t_quantile_975(len(values) - 1) * float(np.std(values, ddof=1)) / math.sqrt(len(values))
+
+
+def coverage_points(groups: dict[str, list[Run]]) -> list[dict]:
+    """Per group: mean causal coverage, val loss mean and 95% CI half-width, train tokens/s."""
+    points = []
+    for regime, runs in groups.items():
+        covs = [c for c in (r.final_coverage() for r in runs) if c is not None]
+        losses = [v for v in (r.policy_val_loss() for r in runs) if v is not None]
+        if not covs or not losses:
+            continue
+        tps = [t for t in (r.train_tokens_per_s() for r in runs) if t is not None]
+        loss, half = _mean_ci(losses)
+        points.append({
+            "group": regime, "coverage": float(np.mean(covs)), "val_loss": loss, "ci_half_width": half,
+            "n": len(losses), "tokens_per_s": float(np.mean(tps)) if tps else None,
+        })
+    return points
+
+
+def plot_coverage_vs_loss(groups: dict[str, list[Run]], colors: dict[str, tuple], path: Path) -> FigureResult:
+    """Validation loss (mean, 95% CI over seeds) against causal coverage, one point per group."""
+    title = "Validation loss against causal coverage"
+    points = coverage_points(groups)
+    if not points:
+        return FigureResult(title, note="no run has both a validation loss and a causal coverage")
+    fig = Figure(figsize=(8, 5))
+    ax = fig.subplots()
+    for p in points:
+        tps = "tok/s n/a" if p["tokens_per_s"] is None else f"{p['tokens_per_s']:.0f} tok/s"
+        label = f"{display_name(p['group'])} (n={p['n']}, {tps})"
+        ax.errorbar([p["coverage"]], [p["val_loss"]],
+                    yerr=None if p["ci_half_width"] is None else [[p["ci_half_width"]], [p["ci_half_width"]]],
+                    fmt="o", capsize=4, color=colors[p["group"]], label=label)
+    ax.set_xlabel("causal coverage (allowed pairs / causal triangle)")
+    ax.set_ylabel("val. loss (mean, 95% CI over seeds)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return FigureResult(title, path=_save(fig, path))
+
+
+def layer_curve(runs: Sequence[Run], key: str, layer: int) -> tuple[np.ndarray, np.ndarray]:
+    """Steps and the mean over runs of layer ``layer`` of the per-layer list ``key``."""
+    per_step: dict[int, list[float]] = {}
+    for run in runs:
+        for step, values in run.layer_series(key):
+            if layer < len(values):
+                per_step.setdefault(step, []).append(values[layer])
+    steps = np.array(sorted(per_step), dtype=float)
+    return steps, np.array([np.mean(per_step[int(s)]) for s in steps])
+
+
+def plot_lost_mass(groups: dict[str, list[Run]], colors: dict[str, tuple], path: Path) -> FigureResult:
+    """Per-layer lost attention mass at the chosen windows over training (mean over seeds)."""
+    title = "Lost attention mass per layer"
+    key = "lost_mass_chosen_per_layer"
+    layers = max((len(v) for runs in groups.values() for r in runs for _, v in r.layer_series(key)), default=0)
+    if layers == 0:
+        return FigureResult(title, note=f"no training line logged `{key}`")
+    cols = min(layers, 4)
+    rows = math.ceil(layers / cols)
+    fig = Figure(figsize=(4 * cols, 3.2 * rows))
+    axes = np.atleast_1d(fig.subplots(rows, cols, squeeze=False)).ravel()
+    for layer in range(layers):
+        ax = axes[layer]
+        for regime, runs in groups.items():
+            steps, means = layer_curve(runs, key, layer)
+            if steps.size:
+                ax.plot(steps, means, color=colors[regime], label=display_name(regime))
+        ax.set_title(f"layer {layer}")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("lost mass (mean over heads)")
+        ax.grid(alpha=0.3)
+    for ax in axes[layers:]:
+        ax.set_visible(False)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("Attention mass beyond each head's window (sampled queries, EMA over control updates)")
+    fig.tight_layout()
+    return FigureResult(title, path=_save(fig, path))

@@ -33,7 +33,9 @@ __all__ = [
     "group_by_regime",
     "load_run",
     "load_runs",
+    "policy_label",
     "regime_sort_key",
+    "split_policy",
 ]
 
 FULL_ATTENTION = "full_attention"
@@ -64,12 +66,37 @@ _DISPLAY_NAMES = {
     "shuffle_post_select": "Shallow shuffle-post-select",
     "full_adaptive_shuffle_post_select": "Full adaptive shuffle-post-select",
 }
+# Regimes whose windows follow aah.budget: one report group per (regime, budget).
+BUDGET_REGIMES = ("budgeted", "budgeted_grouped", "uniform_window")
+_POLICY_SEP = "@"
 # Full attention by definition (paper section 7.1), used when a value is not logged.
 _FULL_ATTENTION_DEFAULTS = {"acr": 1.0, "causal_coverage": 1.0, "levels_used": 0.0}
 
 
+def policy_label(regime: str, budget: float | None) -> str:
+    """The report group of a run: ``regime``, or ``regime@budget`` for a budget-driven regime."""
+    if regime in BUDGET_REGIMES and budget is not None:
+        return f"{regime}{_POLICY_SEP}{budget:g}"
+    return regime
+
+
+def split_policy(label: str) -> tuple[str, float | None]:
+    """``(regime, budget)`` of a :func:`policy_label` (budget ``None`` for plain regimes)."""
+    regime, sep, budget = label.partition(_POLICY_SEP)
+    try:
+        return regime, float(budget) if sep else None
+    except ValueError:
+        return label, None
+
+
 def display_name(regime: str) -> str:
-    """The paper's name for a regime; otherwise underscores as spaces, first letter capital."""
+    """The paper's name for a regime; otherwise underscores as spaces, first letter capital.
+
+    A budget-driven group (``budgeted@0.45``) reads ``Budgeted (b = 0.45)``.
+    """
+    base, budget = split_policy(regime)
+    if budget is not None:
+        return f"{display_name(base)} (b = {budget:g})"
     if regime in _DISPLAY_NAMES:
         return _DISPLAY_NAMES[regime]
     text = regime.replace("_", " ").strip()
@@ -77,7 +104,11 @@ def display_name(regime: str) -> str:
 
 
 def regime_sort_key(regime: str) -> tuple[int, int, str]:
-    """Paper order: principal regimes, then screening regimes, then the rest alphabetically."""
+    """Paper order: principal regimes, then screening regimes, then the rest alphabetically
+    (budget-driven groups by regime, then by descending budget)."""
+    base, budget = split_policy(regime)
+    if budget is not None:
+        return (2, 0, f"{base}{_POLICY_SEP}{1.0 - budget:.6f}")
     if regime in MAIN_REGIMES:
         return (0, MAIN_REGIMES.index(regime), regime)
     if regime in SCREENING_REGIMES:
@@ -170,6 +201,26 @@ class Run:
         return str(regime) if regime else "unknown"
 
     @property
+    def budget(self) -> float | None:
+        """``aah.budget`` of a budget-driven regime (the regime's preset when the config omits it)."""
+        if self.regime not in BUDGET_REGIMES:
+            return None
+        value = _number(_nested(self.config, "aah", "budget"))
+        if value is None:
+            try:
+                from .. import regimes
+
+                value = regimes.get(self.regime).budget
+            except ValueError:
+                return None
+        return value
+
+    @property
+    def policy(self) -> str:
+        """The report group: the regime, with its budget for budget-driven regimes."""
+        return policy_label(self.regime, self.budget)
+
+    @property
     def seed(self) -> int | None:
         seed = _as_int(self.meta.get("seed"))
         return seed if seed is not None else _as_int(_nested(self.config, "train", "seed"))
@@ -180,7 +231,7 @@ class Run:
 
     @property
     def display_name(self) -> str:
-        return display_name(self.regime)
+        return display_name(self.policy)
 
     @property
     def is_full_attention(self) -> bool:
@@ -239,6 +290,25 @@ class Run:
         late = sorted(values[len(values) // 2:])
         mid = len(late) // 2
         return late[mid] if len(late) % 2 else (late[mid - 1] + late[mid]) / 2
+
+    def final_coverage(self) -> float | None:
+        """Causal coverage of the final windows: ``eval.json``, else the last training line."""
+        value = self.eval_value("causal_coverage")
+        return value if value is not None else self.train_value("causal_coverage")
+
+    def policy_val_loss(self) -> float | None:
+        """Validation loss of the final checkpoint (``eval.json``), else the training loop's last."""
+        value = self.eval_value("val_loss")
+        return value if value is not None else self.final_val_loss()
+
+    def layer_series(self, key: str) -> list[tuple[int, list[float]]]:
+        """``(step, per-layer values)`` of every training line that logged the list ``key``."""
+        out = []
+        for row in self.train:
+            values = row.get(key)
+            if isinstance(values, list) and values and all(_number(v) is not None for v in values):
+                out.append((int(row["step"]), [float(v) for v in values]))
+        return out
 
     def peak_mem_mb(self) -> float | None:
         """The largest ``peak_mem_mb`` logged during training."""
@@ -397,24 +467,24 @@ def load_runs(paths: Iterable[Path | str]) -> tuple[list[Run], list[str]]:
             kept.append(run)
             notes.append(f"`{run.name}` records no seed; it is left out of the paired differences.")
             continue
-        key = (run.regime, run.seed)
+        key = (run.policy, run.seed)
         other = chosen.get(key)
         if other is None or _preference(run) > _preference(other):
             chosen[key] = run
         dropped = other if chosen[key] is run else run
         if other is not None:
             notes.append(
-                f"`{dropped.name}` repeats {display_name(run.regime)} seed {run.seed}; "
+                f"`{dropped.name}` repeats {display_name(run.policy)} seed {run.seed}; "
                 f"`{chosen[key].name}` is used instead."
             )
     kept.extend(chosen.values())
-    kept.sort(key=lambda r: (regime_sort_key(r.regime), r.seed if r.seed is not None else -1))
+    kept.sort(key=lambda r: (regime_sort_key(r.policy), r.seed if r.seed is not None else -1))
     return kept, notes
 
 
 def group_by_regime(runs: Iterable[Run]) -> dict[str, list[Run]]:
-    """Runs grouped by regime, regimes in paper order."""
+    """Runs grouped by regime (by regime and budget for budget-driven regimes), in paper order."""
     groups: dict[str, list[Run]] = {}
     for run in runs:
-        groups.setdefault(run.regime, []).append(run)
+        groups.setdefault(run.policy, []).append(run)
     return {r: groups[r] for r in sorted(groups, key=regime_sort_key)}

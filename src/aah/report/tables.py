@@ -10,6 +10,9 @@
 * :func:`screening_table` (paper Table 5, section 7.3): validation loss of the
   screening regimes and their difference to the pure (full-attention) baseline;
   built only when a screening-only regime is among the runs.
+* :func:`equal_coverage_table`: every window policy against the ``uniform_window``
+  baseline at the same budget (or the closest causal coverage), seed-paired;
+  built only when a uniform-window run is among the runs.
 
 Differences are ``regime - full attention`` per seed (negative = lower loss
 than full attention). A ``*`` marks a 95% interval that excludes 0. Numbers
@@ -23,13 +26,22 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .runs import FULL_ATTENTION, SCREENING_REGIMES, Run, display_name, group_by_regime
+from .runs import (
+    FULL_ATTENTION,
+    SCREENING_REGIMES,
+    Run,
+    display_name,
+    group_by_regime,
+    policy_label,
+    split_policy,
+)
 from .stats import PairedDifference, mean, paired_difference, sample_std
 
 __all__ = [
     "MISSING",
     "NOT_LOGGED",
     "Table",
+    "equal_coverage_table",
     "format_difference",
     "inference_table",
     "screening_table",
@@ -274,5 +286,73 @@ def screening_table(runs: Sequence[Run]) -> Table | None:
                                sample_std(losses), *_diff_csv(diff)])
     table.notes = _difference_notes("pure baseline", groups) + [
         "Val loss: last validation of the training loop."
+    ]
+    return table
+
+
+# --- window policies at equal coverage -------------------------------------------------------
+UNIFORM = "uniform_window"
+
+
+def _policy_loss(run: Run) -> float | None:
+    return run.policy_val_loss()
+
+
+def _uniform_reference(label: str, group: Sequence[Run], uniforms: dict[str, list[Run]]) -> str:
+    """The uniform-window group a policy is compared with: the one at the same budget, else
+    the one whose mean causal coverage is closest to the policy's."""
+    _, budget = split_policy(label)
+    if budget is not None:
+        same = policy_label(UNIFORM, budget)
+        if same in uniforms:
+            return same
+    cov = mean(_values(group, Run.final_coverage))
+    if cov is None:
+        return next(iter(uniforms))
+    return min(uniforms, key=lambda u: abs((mean(_values(uniforms[u], Run.final_coverage)) or 0.0) - cov))
+
+
+def equal_coverage_table(runs: Sequence[Run]) -> Table | None:
+    """Every policy against the uniform window at (about) the same causal coverage.
+
+    Built only when a ``uniform_window`` group is among the runs. The difference is
+    ``policy - uniform_window`` in final validation loss, paired by seed.
+    """
+    groups = group_by_regime(runs)
+    uniforms = {k: g for k, g in groups.items() if split_policy(k)[0] == UNIFORM}
+    if not uniforms:
+        return None
+    table = Table(
+        title="Window policies at equal coverage: validation loss against the uniform window",
+        columns=["Policy", "Seeds", "Causal coverage", "Uniform reference (coverage)",
+                 "Val loss (mean ± sd)", "Δ vs uniform (95% CI)", "Train tokens/s"],
+        csv_columns=["policy", "name", "n_seeds", "seeds", "causal_coverage", "reference",
+                     "reference_coverage", "val_loss_mean", "val_loss_std", *_DIFF_CSV_COLUMNS,
+                     "tokens_per_s"],
+    )
+    for label, group in groups.items():
+        cov = mean(_values(group, Run.final_coverage))
+        losses = _values(group, _policy_loss)
+        tps = mean(_values(group, lambda r: r.train_tokens_per_s()))
+        ref = _uniform_reference(label, group, uniforms)
+        ref_cov = mean(_values(uniforms[ref], Run.final_coverage))
+        if label == ref:
+            delta_text, diff = "reference", None
+        else:
+            diff = paired_difference(_by_seed(group, _policy_loss), _by_seed(uniforms[ref], _policy_loss))
+            delta_text = format_difference(diff)
+        table.rows.append([display_name(label), str(len(group)), _fmt(cov, 4),
+                           f"{display_name(ref)} ({_fmt(ref_cov, 4)})", _fmt_mean_std(losses),
+                           delta_text, _fmt(tps, 0)])
+        table.csv_rows.append([label, display_name(label), len(group), _seeds(group), cov, ref, ref_cov,
+                               mean(losses), sample_std(losses), *_diff_csv(diff), tps])
+    table.notes = [
+        f"Δ = policy − uniform window, paired by seed; 95% Student-t interval; {SIGNIFICANT} = "
+        "interval excludes 0 (the only basis for a claim that one policy beats another).",
+        "Reference: the uniform window at the policy's budget, else the one closest in causal "
+        "coverage; compare the two coverage columns before reading a difference as a like-for-like "
+        "comparison. Val loss: eval.json of the final checkpoint where present, else the training "
+        "loop's last validation. Causal coverage: final windows. Tokens/s: training, median over "
+        "the second half of each run, mean over seeds.",
     ]
     return table

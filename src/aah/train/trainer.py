@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from .. import __version__
 from ..backends.auto import auto_choices, auto_label
 from ..config import RunConfig, config_to_dict, save_config
+from ..controller.budgeted import lost_mass_metrics
 from ..evaluate.core import validation_loss
 from ..model import GPT
 from .checkpoint import (
@@ -389,6 +390,7 @@ class _Training:
             "ranks_agree": all_ranks_equal(windows, self.info, self.device),
             "time_s": self.train_time,
         }
+        record.update(lost_mass_metrics(self.model.controllers()))  # per-layer lost mass (budgeted policies)
         self.tokens_since_log, self.time_since_log = 0, 0.0
         if self.metrics is not None:
             self.metrics.write(record)

@@ -1,0 +1,72 @@
+"""Lost attention mass per head and candidate window (the budgeted policy's measurement).
+
+For head ``h`` and window ``W`` the *lost mass* is the attention probability
+that a query puts on keys at distance ``>= W``, i.e. on keys ``j <= i - W``
+that a window of ``W`` would cut off (window convention: query ``i`` keeps
+``i - W < j <= i``). It is measured the way the paper's ``usage`` diagnostic is
+(section 5.3, see :func:`aah.controller.features.attention_diagnostics`):
+without gradient, on a few evenly spaced sampled query positions that see
+their full causal context, averaged over the batch and the sampled queries.
+``usage`` is the lost mass at the smallest candidate window.
+
+The controller measures it on control updates only and keeps an EMA over
+updates in its ``aah_state`` buffers, so it costs nothing in between.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from ..backends.base import expand_kv
+from .features import sample_query_positions
+
+__all__ = ["lost_mass", "lost_mass_from_probs"]
+
+
+def lost_mass_from_probs(probs: torch.Tensor, positions: torch.Tensor, windows: Sequence[int]) -> torch.Tensor:
+    """Lost mass (..., K) of attention rows ``probs`` (..., S, T) of queries at ``positions`` (S,).
+
+    Entry ``k`` sums each row's probability on keys at distance ``>= windows[k]``,
+    averaged over the S rows.
+    """
+    seq_len = probs.shape[-1]
+    keys = torch.arange(seq_len, device=probs.device)
+    distance = positions.to(probs.device)[:, None] - keys[None, :]  # (S, T)
+    out = [(probs * (distance >= int(w)).to(probs.dtype)).sum(-1).mean(-1) for w in windows]
+    return torch.stack(out, dim=-1)
+
+
+@torch.no_grad()
+def lost_mass(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    windows: Sequence[int],
+    *,
+    num_queries: int = 32,
+    start: int | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Lost mass per query head and window, shape (H, K), float32.
+
+    ``q`` is (B, H, T, D), ``k`` is (B, H_kv, T, D) (grouped-query attention
+    repeats KV heads as the backends do). Queries are sampled as for
+    ``usage``: ``num_queries`` evenly spaced positions from ``start``
+    (default: the smallest window, so each sampled query can lose mass) to
+    the last position.
+    """
+    if not windows:
+        raise ValueError("windows must name at least one window")
+    b, num_heads, seq_len, dim = q.shape
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    first = min(int(w) for w in windows) if start is None else start
+    pos = sample_query_positions(seq_len, num_queries, start=first).to(q.device)
+    qs = q.detach().float()[:, :, pos]  # (B, H, S, D)
+    kf = expand_kv(k.detach().float(), num_heads)
+    scores = torch.matmul(qs, kf.transpose(-1, -2)) * scale  # (B, H, S, T)
+    keys = torch.arange(seq_len, device=q.device)
+    scores = scores.masked_fill(pos[:, None] < keys[None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return lost_mass_from_probs(probs, pos, windows).mean(dim=0).float()
