@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "aah.evaluate.cli",
     "aah.experiment.cli",
     "aah.report.cli",
+    "aah.hf.cli",
 )
 
 
