@@ -17,7 +17,7 @@ def _tiny(kind: str, **extra):
     common = dict(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
-        attn_implementation="sdpa",
+        attn_implementation="sdpa", eos_token_id=None, bos_token_id=None,
     )
     common.update(extra)
     torch.manual_seed(0)

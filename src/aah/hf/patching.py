@@ -31,8 +31,9 @@ import torch.nn.functional as F
 from ..backends import attend
 from ..windows import as_window_tensor, check_sink_tokens
 from ._transformers import require
+from .windowed_kv import WindowedKV
 
-__all__ = ["AAH_IMPLEMENTATION", "LayerWindows", "attention_modules", "patch", "patched_windows", "unpatch"]
+__all__ = ["AAH_IMPLEMENTATION", "LayerWindows", "attention_modules", "layer_specs", "patch", "patched_windows", "unpatch"]
 
 #: The name under which the attention and mask functions are registered.
 AAH_IMPLEMENTATION = "aah"
@@ -43,11 +44,32 @@ _PREVIOUS_ATTR = "_aah_previous_attn_implementation"
 
 @dataclass(frozen=True)
 class LayerWindows:
-    """What one patched attention module executes."""
+    """What one patched attention module executes.
 
-    windows: tuple[int, ...]  # one per query head
+    ``windows`` and ``sink_tokens`` are what the layer really runs: the requested windows
+    capped by the layer's own sliding window (``layer_window``), and no sinks in such a layer.
+    """
+
+    requested: tuple[int, ...]  # one per query head, as given to patch()
+    windows: tuple[int, ...]
     sink_tokens: int
     backend: str
+    layer_window: int | None = None
+
+    @classmethod
+    def build(cls, requested: tuple[int, ...], sink_tokens: int, backend: str, layer_window: int | None) -> LayerWindows:
+        """A head never sees more than its layer allows: cap by ``layer_window`` and drop sinks there."""
+        if layer_window is None:
+            return cls(requested, requested, sink_tokens, backend, None)
+        capped = tuple(min(w, int(layer_window)) for w in requested)
+        return cls(requested, capped, 0, backend, int(layer_window))
+
+
+def layer_sliding_window(model: torch.nn.Module, module: torch.nn.Module) -> int | None:
+    """The layer's own sliding window: the module's (Qwen3-style) or the model's (Mistral-style)."""
+    if hasattr(module, "sliding_window"):
+        return module.sliding_window
+    return getattr(model.config, "sliding_window", None)
 
 
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -101,11 +123,27 @@ def patch(
     sinks = check_sink_tokens(sink_tokens)
     _register()
     for module, row in zip(modules, grid.tolist()):
-        setattr(module, _SPEC_ATTR, LayerWindows(tuple(int(w) for w in row), sinks, backend))
+        spec = LayerWindows.build(tuple(int(w) for w in row), sinks, backend, layer_sliding_window(model, module))
+        setattr(module, _SPEC_ATTR, spec)
     if not hasattr(model, _PREVIOUS_ATTR):
         setattr(model, _PREVIOUS_ATTR, model.config._attn_implementation)
+        _default_generate_cache(model)
     model.set_attn_implementation(AAH_IMPLEMENTATION)
     return model
+
+
+def _default_generate_cache(model: torch.nn.Module) -> None:
+    """Make ``model.generate`` use an :mod:`aah.hf.cache` window cache unless one is passed."""
+    original = model._prepare_cache_for_generation
+
+    def prepare(generation_config, model_kwargs, *args, **kwargs):
+        if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
+            from .cache import new_cache
+
+            model_kwargs["past_key_values"] = new_cache(model)
+        return original(generation_config, model_kwargs, *args, **kwargs)
+
+    model._prepare_cache_for_generation = prepare
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
@@ -118,17 +156,23 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
             delattr(module, _SPEC_ATTR)
     model.set_attn_implementation(previous)
     delattr(model, _PREVIOUS_ATTR)
+    if "_prepare_cache_for_generation" in vars(model):
+        del model._prepare_cache_for_generation
     return model
 
 
-def patched_windows(model: torch.nn.Module) -> torch.Tensor:
-    """The (num_layers, num_query_heads) windows a patched model runs with."""
-    rows = []
-    for module in attention_modules(model):
-        spec = getattr(module, _SPEC_ATTR, None)
-        if spec is None:
-            raise ValueError(f"{type(model).__name__} is not patched by aah.hf.patch")
-        rows.append(spec.windows)
+def layer_specs(model: torch.nn.Module) -> list[LayerWindows]:
+    """Each layer's :class:`LayerWindows`; ``ValueError`` when the model is not patched."""
+    specs = [getattr(module, _SPEC_ATTR, None) for module in attention_modules(model)]
+    if any(spec is None for spec in specs):
+        raise ValueError(f"{type(model).__name__} is not patched by aah.hf.patch")
+    return specs
+
+
+def patched_windows(model: torch.nn.Module, *, effective: bool = False) -> torch.Tensor:
+    """The (num_layers, num_query_heads) windows given to :func:`patch` (or, with
+    ``effective=True``, the windows that run after the layers' own sliding windows)."""
+    rows = [spec.windows if effective else spec.requested for spec in layer_specs(model)]
     return torch.tensor(rows, dtype=torch.int64)
 
 
@@ -158,44 +202,57 @@ def _causal_padding_mask(*args, **kwargs):
     return masking_utils.sdpa_mask(*args, **kwargs)
 
 
-def layer_windows(spec: LayerWindows, sliding_window: int | None) -> tuple[tuple[int, ...], int]:
-    """The windows and sink count a layer really runs: a head never sees more than its layer allows."""
-    if sliding_window is None:
-        return spec.windows, spec.sink_tokens
-    return tuple(min(w, int(sliding_window)) for w in spec.windows), 0
-
-
 def aah_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
+    key: torch.Tensor | WindowedKV,
+    value: torch.Tensor | WindowedKV,
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
-    sliding_window: int | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """The attention function registered as ``"aah"``; returns ``(out (B, Tq, H, D), None)``."""
+    """The attention function registered as ``"aah"``; returns ``(out (B, Tq, H, D), None)``.
+
+    ``sliding_window`` and other keywords of the model are accepted and ignored: the layer's
+    own sliding window was folded into its windows by :func:`patch`.
+    """
     spec: LayerWindows | None = getattr(module, _SPEC_ATTR, None)
     if spec is None:
         raise RuntimeError(
             f"attention layer {getattr(module, 'layer_idx', '?')} runs the 'aah' implementation "
             "but has no windows; call aah.hf.patch(model, windows)"
         )
-    if sliding_window is None:
-        sliding_window = getattr(module, "sliding_window", None)
-    windows, sinks = layer_windows(spec, sliding_window)
-    q_len, kv_len = query.shape[2], key.shape[2]
-    if attention_mask is None and q_len == kv_len and sinks == 0 and not dropout:
-        out = attend(query, key, value, windows, backend=spec.backend, scale=scaling)
+    if isinstance(key, WindowedKV):  # a call that reads and writes an aah.hf window cache
+        out = key.layer.attend(query, key, attention_mask, scaling, spec)
     else:
-        allowed = allowed_keys(windows, sinks, q_len, kv_len, attention_mask, query.device)
-        out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=allowed, dropout_p=dropout, scale=scaling,
-            enable_gqa=key.shape[1] != query.shape[1],
-        )
+        out = attend_without_cache(query, key, value, attention_mask, scaling, spec, dropout=dropout)
     return out.transpose(1, 2).contiguous(), None
+
+
+def attend_without_cache(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    spec: LayerWindows,
+    *,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """(B, H, Tq, D) attention over plain keys that end at the last query.
+
+    Unpadded prompts without sinks run through :func:`aah.attend` (work outside the windows
+    is skipped); everything else runs fused SDPA with the exact boolean mask.
+    """
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if attention_mask is None and q_len == kv_len and spec.sink_tokens == 0 and not dropout:
+        return attend(query, key, value, spec.windows, backend=spec.backend, scale=scaling)
+    allowed = allowed_keys(spec.windows, spec.sink_tokens, q_len, kv_len, attention_mask, query.device)
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=allowed, dropout_p=dropout, scale=scaling,
+        enable_gqa=key.shape[1] != query.shape[1],
+    )
 
 
 @lru_cache(maxsize=32)
