@@ -39,6 +39,8 @@ __all__ = ["AAH_IMPLEMENTATION", "LayerWindows", "attention_modules", "layer_spe
 AAH_IMPLEMENTATION = "aah"
 
 _SPEC_ATTR = "aah_windows"
+#: A callable ``(q, k, v)`` set on an attention module sees its post-RoPE q/k/v (calibration).
+RECORDER_ATTR = "_aah_recorder"
 _PREVIOUS_ATTR = "_aah_previous_attn_implementation"
 
 
@@ -223,6 +225,9 @@ def aah_attention(
             f"attention layer {getattr(module, 'layer_idx', '?')} runs the 'aah' implementation "
             "but has no windows; call aah.hf.patch(model, windows)"
         )
+    recorder = getattr(module, RECORDER_ATTR, None)
+    if recorder is not None and not isinstance(key, WindowedKV):
+        recorder(query, key, value)
     if isinstance(key, WindowedKV):  # a call that reads and writes an aah.hf window cache
         out = key.layer.attend(query, key, attention_mask, scaling, spec)
     else:
