@@ -67,3 +67,35 @@ def test_candidate_ladder():
     assert candidate_windows(1024) == (128, 256, 512, 1024)
     with pytest.raises(ValueError):
         candidate_windows(4, num=4)
+
+
+def test_sink_tokens_hand_worked_mask():
+    # W = 2, S = 1, T = 5: every row sees its last two keys and key 0.
+    mask = band_mask([2], 5, sink_tokens=1)[0]
+    expected = torch.tensor(
+        [
+            [1, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0],
+            [1, 1, 1, 0, 0],
+            [1, 0, 1, 1, 0],
+            [1, 0, 0, 1, 1],
+        ],
+        dtype=torch.bool,
+    )
+    assert torch.equal(mask, expected)
+
+
+@pytest.mark.parametrize("window,sinks,t", [(1, 1, 6), (2, 3, 9), (4, 2, 4), (3, 10, 7), (5, 0, 12), (1, 4, 30)])
+def test_sink_coverage_counts_the_mask(window, sinks, t):
+    # An independent count: loop over every (i, j) pair with the convention written out.
+    allowed = sum(1 for i in range(t) for j in range(i + 1) if i - window < j or j < sinks)
+    assert causal_coverage([window], t, sink_tokens=sinks) == pytest.approx(allowed / (t * (t + 1) / 2))
+    assert band_mask([window], t, sink_tokens=sinks).sum().item() == allowed
+    assert acr([window], t, sink_tokens=sinks) == pytest.approx(min(window + sinks, t) / t)
+
+
+def test_sink_tokens_must_be_non_negative_ints():
+    with pytest.raises(ValueError, match="sink_tokens"):
+        band_mask([2], 4, sink_tokens=-1)
+    with pytest.raises(ValueError, match="sink_tokens"):
+        causal_coverage([2], 4, sink_tokens=1.5)

@@ -17,6 +17,7 @@ COMMAND_MODULES = (
     "aah.experiment.cli",
     "aah.report.cli",
     "aah.generate_cli",
+    "aah.hf.cli",
 )
 
 

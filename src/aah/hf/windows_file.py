@@ -1,0 +1,85 @@
+"""Save and load calibrated windows: a safetensors file with the facts needed to trust it.
+
+The file holds one int64 tensor ``windows`` of shape (num_layers, num_query_heads) and string
+metadata: the model (its type and shape, so a file for another model is refused), the
+sequence length, the policy, the budget, the sink tokens and the coverage figures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+
+from ..data._files import atomic_path
+from ..windows import as_window_tensor
+
+__all__ = ["REQUIRED_META", "check_windows_for", "load_windows", "model_signature", "save_windows"]
+
+#: Metadata every windows file carries.
+REQUIRED_META = ("model", "seq_len", "policy", "budget", "sink_tokens", "acr", "causal_coverage")
+
+
+def model_signature(model_or_config) -> dict[str, Any]:
+    """What identifies a model's attention layout: type, layers, query and KV heads, head dim."""
+    config = getattr(model_or_config, "config", model_or_config)
+    heads = config.num_attention_heads
+    return {
+        "model_type": config.model_type,
+        "num_layers": config.num_hidden_layers,
+        "num_query_heads": heads,
+        "num_kv_heads": getattr(config, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
+    }
+
+
+def save_windows(path: str | os.PathLike, windows: torch.Tensor, meta: dict[str, Any]) -> Path:
+    """Write ``windows`` (L, H) and ``meta`` (JSON-serialisable values) to ``path`` atomically."""
+    grid = as_window_tensor(windows)
+    if grid.dim() != 2:
+        raise ValueError(f"windows must be (num_layers, num_query_heads), got shape {tuple(grid.shape)}")
+    missing = [key for key in REQUIRED_META if key not in meta]
+    if missing:
+        raise ValueError(f"windows metadata lacks {missing}; required: {', '.join(REQUIRED_META)}")
+    encoded = {key: json.dumps(value) for key, value in meta.items()}
+    with atomic_path(path) as tmp:
+        save_file({"windows": grid.contiguous()}, str(tmp), metadata=encoded)
+    return Path(path)
+
+
+def load_windows(path: str | os.PathLike) -> tuple[torch.Tensor, dict[str, Any]]:
+    """``(windows, meta)`` from a file written by :func:`save_windows`."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"windows file not found: {path}")
+    try:
+        tensors = load_file(str(path))
+        with safe_open(str(path), framework="pt") as handle:
+            raw = handle.metadata() or {}
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(f"{path} is not a readable windows file: {exc}") from None
+    if set(tensors) != {"windows"}:
+        raise ValueError(f"{path} is not a windows file (tensors: {sorted(tensors)})")
+    try:
+        meta = {key: json.loads(value) for key, value in raw.items()}
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} has unreadable metadata: {exc}") from None
+    missing = [key for key in REQUIRED_META if key not in meta]
+    if missing:
+        raise ValueError(f"{path} lacks metadata {missing}")
+    return as_window_tensor(tensors["windows"]), meta
+
+
+def check_windows_for(model_or_config, windows: torch.Tensor, meta: dict[str, Any], path: str) -> None:
+    """Raise ``ValueError`` when a windows file was made for another model."""
+    expected = model_signature(model_or_config)
+    if meta.get("model") != expected:
+        raise ValueError(f"{path} was calibrated for {meta.get('model')}, not for this model {expected}")
+    shape = (expected["num_layers"], expected["num_query_heads"])
+    if tuple(windows.shape) != shape:
+        raise ValueError(f"{path} holds windows of shape {tuple(windows.shape)}; this model needs {shape}")
