@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ._transformers import require
-from .patching import LayerWindows, attend_without_cache, layer_specs
+from .patching import LayerWindows, attend_without_cache, first_real_position, layer_specs
 from .windowed_kv import WindowedKV
 
 __all__ = ["WindowCacheLayer", "new_cache", "cache_memory_bytes"]
@@ -146,7 +146,7 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
             )
         if pending.start == 0:
             if attention_mask is not None:
-                self.sink_start = _first_real_position(attention_mask).to(self.sink_start.device)
+                self.sink_start = first_real_position(attention_mask).to(self.sink_start.device)
             out = attend_without_cache(query, pending.keys, pending.values, attention_mask, scaling, spec)
             self._store(pending.keys, pending.values, 0)
             return out
@@ -243,12 +243,6 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
             g.keys[:, :, sinks + slots] = k[:, :, first - start:]
             g.values[:, :, sinks + slots] = v[:, :, first - start:]
             g.ring_positions[slots] = pos
-
-
-def _first_real_position(attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B,) index of the first visible key in the last query row of a (B, 1, Tq, Tk) mask."""
-    visible = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
-    return visible[:, 0, -1, :].to(torch.int8).argmax(dim=-1)
 
 
 def new_cache(model: torch.nn.Module):

@@ -22,6 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..controller import HeadController
+from ..controller.selection import share_within_kv_groups as share_row
 from ..regimes import get as get_regime
 from ..windows import candidate_windows, causal_coverage
 from .patching import RECORDER_ATTR, attention_modules, patch, unpatch
@@ -53,12 +54,12 @@ def uniform_window_for_budget(budget: float, seq_len: int, *, sink_tokens: int =
 
 
 def share_within_kv_groups(windows: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """(L, H) windows where the query heads of each KV head take the largest window among them."""
-    layers, heads = windows.shape
-    if heads % num_kv_heads:
-        raise ValueError(f"{heads} query heads cannot share {num_kv_heads} KV heads")
-    grouped = windows.reshape(layers, num_kv_heads, heads // num_kv_heads)
-    return grouped.amax(dim=-1, keepdim=True).expand_as(grouped).reshape(layers, heads).clone()
+    """(L, H) windows where the query heads of each KV head take the largest window among them.
+
+    The rule of ``window_granularity="kv_group"``, applied layer by layer (windows grow with
+    the candidate index, so the largest window is the window of the largest index).
+    """
+    return torch.stack([share_row(row, num_kv_heads) for row in windows])
 
 
 def _num_kv_heads(model) -> int:

@@ -271,6 +271,13 @@ def _band(windows: tuple[int, ...], sinks: int, q_len: int, kv_len: int, device:
     return causal[None] & ((dist[None] < w) | (kpos < sinks)[None, None, :])
 
 
+def first_real_position(attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) index of each row's first real token: the first visible key in the last query row
+    of a (B, 1, Tq, Tk) causal-and-padding mask (boolean, or additive with 0 where visible)."""
+    visible = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+    return visible[:, 0, -1, :].to(torch.int8).argmax(dim=-1)
+
+
 def allowed_keys(
     windows: tuple[int, ...],
     sinks: int,
@@ -292,7 +299,7 @@ def allowed_keys(
     window_band = _band(windows, 0, q_len, kv_len, torch.device(device))[None]  # (1, H, Tq, Tk)
     allowed = visible & window_band
     if sinks:
-        first = visible[:, 0, -1, :].to(torch.int8).argmax(dim=-1)  # first real key of each row
+        first = first_real_position(visible)
         kpos = torch.arange(kv_len, device=device)
         sink = (kpos[None] >= first[:, None]) & (kpos[None] < first[:, None] + sinks)
         allowed = allowed | (visible & sink[:, None, None, :])
