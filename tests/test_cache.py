@@ -16,12 +16,19 @@ from torch.nn import functional as F
 
 from aah import GPT, ControllerConfig, GPTConfig
 from aah.attention import RotaryEmbedding
-from aah.cache import LayerKVCache, WindowKVCache, kv_capacities, slot_positions
+from aah.cache import (
+    LayerKVCache,
+    WindowKVCache,
+    chunk_attention,
+    chunk_attention_math,
+    kv_capacities,
+    slot_positions,
+)
 from aah.generate import cache_memory_report, generate
 
 VOCAB = 61
 T_MAX = 64
-CANDIDATES = (1, 2, 4, 8, 16, 64)
+CANDIDATES = (1, 2, 4, 8, 16, 32, 48, 64)
 TOL = {"rtol": 1e-5, "atol": 5e-5}
 
 
@@ -136,6 +143,9 @@ CASES = {
     # window_granularity="kv_group": the query heads of a KV head share a window.
     "gqa_kv_group_rope": ([(2, 2, 16, 16), (8, 8, 1, 1)], 2, "rope"),
     "no_controller_learned": (None, 4, "learned"),
+    # Capacities sharing a common chunk of 16: one decode call over chunks, joined by log-sum-exp.
+    "mha_chunked_rope": ([(16, 32, 64, 16), (32, 16, 16, 48)], 4, "rope"),
+    "gqa_chunked_mixed_rope": ([(16, 8, 48, 32), (32, 32, 16, 16)], 2, "rope"),
 }
 
 # prompt 10 > every local window: the ring buffers wrap many times.
@@ -513,3 +523,41 @@ def test_bfloat16_model_decodes_through_a_bfloat16_cache() -> None:
     err_cached = (got.double() - ref).abs().max().item()
     err_plain = (plain - ref).abs().max().item()
     assert err_cached <= 1.5 * err_plain + 1e-3, (err_cached, err_plain)
+
+
+# ---------------------------------------------------------------------- the one-call decode step
+@pytest.mark.parametrize("attention", ["fused", "math"])
+def test_chunk_attention_equals_float64_softmax_and_logsumexp(attention: str) -> None:
+    """Both implementations give each chunk's softmax output and log-sum-exp, masked slots excluded."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 5, 3, 8, generator=gen) for _ in range(3))
+    k, v = torch.randn(2, 5, 6, 8, generator=gen), torch.randn(2, 5, 6, 8, generator=gen)
+    readable = torch.rand(1, 5, 3, 6, generator=gen) > 0.4
+    readable[..., 0] = True
+    mask = torch.where(readable, 0.0, -1.0e30)
+    fn = chunk_attention if attention == "fused" else chunk_attention_math
+    out, lse = fn(q, k, v, mask, 0.3)
+    scores = (q.double() @ k.double().transpose(-1, -2) * 0.3).masked_fill(~readable, float("-inf"))
+    torch.testing.assert_close(lse.double(), torch.logsumexp(scores, -1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.double(), scores.softmax(-1) @ v.double(), rtol=1e-5, atol=1e-5)
+
+
+def test_paper_ladder_decodes_in_one_call_and_small_divisors_per_capacity() -> None:
+    """Capacities 16/32/64 share chunks of 16: one plan; capacities 2/4/8/1 get one call each."""
+    chunked = LayerKVCache((16, 32, 64, 16), 4, 8, batch_size=1, max_len=64)
+    assert chunked.chunk == 16 and len(chunked._plans) == 1
+    assert chunked.keys.shape == (1, 1 + 2 + 4 + 1, 16, 8)  # no padding: memory is the capacities
+    small = LayerKVCache((2, 4, 8, 1), 4, 8, batch_size=1, max_len=64)
+    assert small.chunk == 1 and len(small._plans) == 4
+
+
+@pytest.mark.parametrize("case", ["mha_local_rope", "gqa_mixed_rope", "mqa_mixed_rope"])
+def test_tiny_chunks_decode_exactly(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forced through one call over chunks of length 1 (gcd of the capacities), decoding stays exact."""
+    monkeypatch.setattr("aah.cache.MIN_CHUNK", 1)
+    windows, kv, positional = CASES[case]
+    model = make_model(windows, n_kv_heads=kv, positional=positional)
+    idx = tokens(2, 40)
+    got, cache = cached_logits(model, idx, SCHEDULES["prefill3_steps"][:38])
+    assert all(len(layer._plans) == 1 for layer in cache.layers)
+    torch.testing.assert_close(got.double(), reference_forward(model, idx)["logits"][:, :40], **TOL)

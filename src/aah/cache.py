@@ -28,14 +28,19 @@ Three paths through a layer:
   values of each KV head are copied into its ring buffer.
 * **One decode step** (one new token): its key and value go into slot
   ``p % C`` (that slot held position ``p - C``, which no window reaches any
-  more), then one fused ``scaled_dot_product_attention`` call per capacity
-  group attends over the ring. The query heads that share a KV head are the
-  rows of one call, so every cached key is read once per step. Until the ring is
-  full the valid slots are ``0 .. length - 1``, a slice; once it is full every
-  slot is valid and, softmax not caring about the order of the keys, the call
-  needs no mask. Only a query head whose window is smaller than its KV head's
-  ring (GQA with mixed windows) needs a mask; it is a view into a table built
-  once per capacity group, offset by the position modulo ``C``.
+  more), then attention over the rings. Every ring is stored as chunks of one
+  common length ``c`` (the greatest common divisor of the capacities), all
+  chunks of a layer in one tensor, so one fused attention call covers every
+  KV head whatever its capacity, and its work splits evenly over CPU threads
+  (a long ring is several chunks, not one long row). The call returns each
+  chunk's output and log-sum-exp; a KV head with several chunks combines them
+  exactly by their log-sum-exp weights (split-key attention). The query heads
+  that share a KV head are the rows of its chunks, so every cached key is
+  read once per step. Softmax does not care about the order of the keys, so
+  once every ring is full and every query head reads its whole ring, the call
+  needs no mask. Before that (rings still filling) and for a query head whose
+  window is smaller than its KV head's ring (GQA with mixed windows), an
+  additive mask is computed from the age of each slot.
 * **A chunk of several tokens after a prefix**: masked attention over the ring
   plus the new keys, with a causal, per-head window mask built from the absolute
   position held in each slot; the new entries are written afterwards.
@@ -57,7 +62,7 @@ from .windows import window_tuple
 if TYPE_CHECKING:  # pragma: no cover
     from .model import GPT
 
-__all__ = ["LayerKVCache", "WindowKVCache", "kv_capacities", "slot_positions"]
+__all__ = ["LayerKVCache", "WindowKVCache", "chunk_attention", "chunk_attention_math", "kv_capacities", "slot_positions"]
 
 
 def _positive_int(value: object, name: str) -> int:
@@ -94,17 +99,15 @@ def slot_positions(length: int, capacity: int, device: torch.device | str | None
 
 @dataclass
 class _Bucket:
-    """KV heads of one layer that share a ring-buffer capacity, stored together."""
+    """KV heads of one layer that share a ring-buffer capacity: a view of the layer's chunk storage."""
 
     kv_heads: torch.Tensor  # (n,) long: which KV heads of the layer
     kv_range: tuple[int, int] | None  # (first, end) when the KV heads are consecutive
     capacity: int
     windows: torch.Tensor  # (n, group) long: windows of their query heads
-    min_window: int  # smallest window of its query heads
-    keys: torch.Tensor  # (B, n, capacity, D)
+    keys: torch.Tensor  # (B, n, capacity, D), a view of LayerKVCache's chunk storage
     values: torch.Tensor  # (B, n, capacity, D)
     all_heads: bool  # the bucket is every KV head, in order (no gather needed)
-    mask_table: torch.Tensor | None = None  # (1, n, group, 2C - 1) bool, see _window_mask
 
     def select(self, x: torch.Tensor) -> torch.Tensor:
         """The bucket's KV heads of ``x`` (B, H_kv, ...) along dim 1: a view when they are consecutive."""
@@ -128,25 +131,125 @@ def _ring_write(ring: torch.Tensor, new: torch.Tensor, first_pos: int) -> None:
         ring[:, :, : t - run].copy_(new[:, :, run:])
 
 
-def _window_mask_table(windows: torch.Tensor, capacity: int) -> torch.Tensor:
-    """``table[0, i, j, v] = ((C - 1 - v) mod C) < windows[i, j]`` for ``v`` in ``[0, 2C - 1)``.
+def chunk_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention output and log-sum-exp of every chunk: ``q`` (B, N, G, D) over ``k``, ``v`` (B, N, c, D).
 
-    After the write at position ``p`` the slot ``s`` holds an entry of age
-    ``(p - s) mod C``; a query head with window ``w`` may read it when that age
-    is below ``w``. The ages of slots ``0 .. n - 1`` are the table's columns
-    ``C - 1 - (p mod C) ..`` (a view; no per-step construction).
+    ``mask`` is additive (broadcastable to (B, N, G, c), the dtype of ``q``) or
+    ``None``. Returns the output (B, N, G, D) in ``q``'s dtype and the
+    log-sum-exp of the scaled, masked scores (B, N, G) in float32. On CPU this is
+    PyTorch's fused flash kernel; elsewhere :func:`chunk_attention_math`.
     """
-    v = torch.arange(2 * capacity - 1, device=windows.device)
-    age = torch.remainder(capacity - 1 - v, capacity)
-    return (age[None, None, :] < windows[:, :, None])[None]
+    if q.device.type != "cpu":
+        return chunk_attention_math(q, k, v, mask, scale)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask, scale=scale)
+
+
+def chunk_attention_math(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`chunk_attention` in plain float32 arithmetic (any device)."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores + mask.float()
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse[..., None]), v.float())
+    return out.to(q.dtype), lse
+
+
+#: Additive mask value of a slot a query must not read: finite, so that a chunk with no
+#: readable slot gives a finite output whose log-sum-exp weight is zero.
+_MASKED = -1.0e30
+
+
+class _DecodePlan:
+    """One fused attention call of the decode step over chunked rings (see the module docstring).
+
+    The plan covers ``buckets`` stored as consecutive chunks of length ``chunk``
+    in ``keys`` / ``values`` (B, N, chunk, D). Its KV heads, in storage order,
+    are ``kv_heads``; chunk ``n`` belongs to KV head ``chunk_kv[n]`` (an index
+    of the layer's KV heads) and holds its ring slots ``slot[n]``.
+    """
+
+    def __init__(
+        self, buckets: Sequence[_Bucket], chunk: int, keys: torch.Tensor, values: torch.Tensor, num_kv_heads: int
+    ):
+        device = keys.device
+        kv_heads, chunk_kv, slot, cap, wins = [], [], [], [], []
+        for bucket in buckets:
+            for i, g in enumerate(bucket.kv_heads.tolist()):
+                kv_heads.append(g)
+                for j in range(bucket.capacity // chunk):
+                    chunk_kv.append(g)
+                    slot.append(list(range(j * chunk, (j + 1) * chunk)))
+                    cap.append(bucket.capacity)
+                    wins.append(bucket.windows[i].tolist())
+        self.keys, self.values = keys, values
+        self.kv_heads = kv_heads
+        # The query rows of chunk n are those of its KV head: a gather unless chunk n is KV head n.
+        self.identity = chunk_kv == list(range(num_kv_heads))
+        self.chunk_kv = torch.tensor(chunk_kv, dtype=torch.long, device=device)
+        self.slot = torch.tensor(slot, dtype=torch.long, device=device)  # (N, c)
+        self.capacity = torch.tensor(cap, dtype=torch.long, device=device)[:, None]  # (N, 1)
+        self.windows = torch.tensor(wins, dtype=torch.long, device=device)[:, :, None]  # (N, G, 1)
+        # A mask is needed while a ring is filling, and always where a query head reads less than its ring.
+        self.fill_until = max(cap)  # from this length on, every ring is full
+        self.partial_rows = bool((self.windows < self.capacity[:, :, None]).any())
+        # Entries of each KV head: its chunks, padded to the longest list with a zero-weight entry.
+        per_head = [[n for n, g in enumerate(chunk_kv) if g == head] for head in kv_heads]
+        self.width = max(len(e) for e in per_head)
+        self.entries = torch.tensor([e + [e[0]] * (self.width - len(e)) for e in per_head], device=device).flatten()
+        self.padding = torch.tensor(
+            [[0.0] * len(e) + [float("-inf")] * (self.width - len(e)) for e in per_head], device=device
+        )[None, :, :, None]  # (1, heads, width, 1), added to the log-sum-exps
+
+    def mask(self, length: int, dtype: torch.dtype) -> torch.Tensor | None:
+        """Additive mask (1, N, G, c) after ``length`` writes, or ``None`` where every slot is readable.
+
+        Slot ``s`` of a ring of capacity ``C`` holds the entry of age ``(length - 1 - s) mod C``;
+        a query row with window ``w`` reads it when that age is below ``w`` and the slot was written.
+        """
+        if length >= self.fill_until and not self.partial_rows:
+            return None
+        age = torch.remainder(length - 1 - self.slot, self.capacity)  # (N, c)
+        readable = (age[:, None, :] < self.windows) & (age < length)[:, None, :]
+        return torch.where(readable, 0.0, _MASKED).to(dtype)[None]
+
+    def attend(self, qg: torch.Tensor, length: int, scale: float) -> torch.Tensor:
+        """Outputs (B, heads, G, D) of the plan's KV heads for queries ``qg`` (B, H_kv, G, D) of the layer.
+
+        Chunks of one KV head are joined by the softmax of their log-sum-exps:
+        the softmax over the union of their keys, exactly.
+        """
+        dtype = qg.dtype
+        keys, values = self.keys.to(dtype), self.values.to(dtype)
+        mask = self.mask(length, dtype)
+        if self.identity and mask is None:
+            return F.scaled_dot_product_attention(qg, keys, values, scale=scale)
+        qc = qg if self.identity else qg.index_select(1, self.chunk_kv)
+        out, lse = chunk_attention(qc, keys, values, mask, scale)
+        b, _, g, d = out.shape
+        if self.width == 1:
+            return out if self.identity else out.index_select(1, self.entries)
+        lse = lse.index_select(1, self.entries).view(b, -1, self.width, g) + self.padding
+        weights = torch.softmax(lse, dim=2).to(out.dtype)
+        parts = out.index_select(1, self.entries).view(b, -1, self.width, g, d)
+        return (weights[..., None] * parts).sum(dim=2)
+
+
+#: Below this common chunk length the rings of a layer are not split into chunks: each
+#: capacity gets its own call instead of many tiny chunks.
+MIN_CHUNK = 16
 
 
 class LayerKVCache:
     """Ring-buffer cache of one attention layer; see the module docstring.
 
     ``windows`` holds one window per query head (values above ``max_len`` are
-    clamped to it). KV heads with the same capacity share one tensor, so a
-    layer allocates one pair of tensors per distinct capacity.
+    clamped to it). The rings of all KV heads live in one pair of chunk tensors
+    (keys and values); KV heads with the same capacity are a bucket, a
+    (B, n, C, D) view of consecutive chunks.
     """
 
     def __init__(
@@ -171,36 +274,44 @@ class LayerKVCache:
         self.dtype = dtype
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self.length = 0
+        self.chunk = math.gcd(*self.capacities)
+        num_chunks = sum(c // self.chunk for c in self.capacities)
+        shape = (self.batch_size, num_chunks, self.chunk, self.head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.values = torch.zeros(shape, dtype=dtype, device=self.device)
         self._buckets: list[_Bucket] = []
+        first = 0
         for cap in sorted(set(self.capacities)):
             heads = [g for g, c in enumerate(self.capacities) if c == cap]
             wins = [self.windows[g * self.group : (g + 1) * self.group] for g in heads]
             consecutive = heads == list(range(heads[0], heads[0] + len(heads)))
-            shape = (self.batch_size, len(heads), cap, self.head_dim)
-            wins_t = torch.tensor(wins, dtype=torch.long, device=self.device)
-            min_window = min(min(w) for w in wins)
+            end = first + len(heads) * (cap // self.chunk)
+            view = (self.batch_size, len(heads), cap, self.head_dim)
             self._buckets.append(
                 _Bucket(
                     kv_heads=torch.tensor(heads, dtype=torch.long, device=self.device),
                     kv_range=(heads[0], heads[-1] + 1) if consecutive else None,
                     capacity=cap,
-                    windows=wins_t,
-                    min_window=min_window,
-                    keys=torch.zeros(shape, dtype=dtype, device=self.device),
-                    values=torch.zeros(shape, dtype=dtype, device=self.device),
+                    windows=torch.tensor(wins, dtype=torch.long, device=self.device),
+                    keys=self.keys[:, first:end].view(view),
+                    values=self.values[:, first:end].view(view),
                     all_heads=len(heads) == num_kv_heads,
-                    mask_table=_window_mask_table(wins_t, cap) if min_window < cap else None,
                 )
             )
-        # The buckets are consecutive ranges of KV heads in order: outputs join with one cat.
-        self._in_order = all(b.kv_range is not None for b in self._buckets) and [
-            i for b in self._buckets for i in range(*b.kv_range)
-        ] == list(range(num_kv_heads))
+            first = end
+        if self.chunk >= MIN_CHUNK or len(self._buckets) == 1:
+            self._plans = [_DecodePlan(self._buckets, self.chunk, self.keys, self.values, num_kv_heads)]
+        else:  # one call per capacity, each ring one chunk
+            self._plans = [_DecodePlan([b], b.capacity, b.keys, b.values, num_kv_heads) for b in self._buckets]
+        order = [g for plan in self._plans for g in plan.kv_heads]
+        self._order = None if order == list(range(num_kv_heads)) else torch.tensor(
+            [order.index(g) for g in range(num_kv_heads)], device=self.device
+        )
 
     # ------------------------------------------------------------------ memory
     def memory_bytes(self) -> int:
         """Bytes held by the ring buffers (keys and values)."""
-        return sum(b.keys.nbytes + b.values.nbytes for b in self._buckets)
+        return self.keys.nbytes + self.values.nbytes
 
     def full_memory_bytes(self) -> int:
         """Bytes an ordinary cache of ``max_len`` entries per KV head would take."""
@@ -292,42 +403,22 @@ class LayerKVCache:
     ) -> torch.Tensor:
         """Write the key and value of position ``pos``, then attend its query over the rings.
 
-        ``q`` is (B, H, 1, D). One ``scaled_dot_product_attention`` call per
-        capacity group, the query heads of a KV head being its rows; no mask
-        unless a query head's window is smaller than the entries its ring holds.
+        ``q`` is (B, H, 1, D). One fused attention call over every chunk of the
+        layer, the query heads of a KV head being the rows of its chunks; the
+        chunks of a KV head are then combined by their log-sum-exps.
         """
         b, h, _, d = q.shape
         dtype = torch.promote_types(q.dtype, self.dtype)
-        qg = q.reshape(b, self.num_kv_heads, self.group, d)
-        if qg.dtype != dtype:
-            qg = qg.to(dtype)
         k1, v1 = k[:, :, 0].detach(), v[:, :, 0].detach()
-        length = pos + 1
-        outs = []
         for bucket in self._buckets:
-            cap = bucket.capacity
-            slot = pos % cap
+            slot = pos % bucket.capacity
             bucket.keys[:, :, slot] = bucket.select(k1)
             bucket.values[:, :, slot] = bucket.select(v1)
-            keys, values = bucket.keys, bucket.values
-            filled = length if length < cap else cap
-            if filled < cap:
-                keys, values = keys[:, :, :filled], values[:, :, :filled]
-            if keys.dtype != dtype:
-                keys, values = keys.to(dtype), values.to(dtype)
-            mask = None
-            if bucket.min_window < filled:
-                offset = cap - 1 - slot
-                mask = bucket.mask_table[..., offset : offset + filled]
-            outs.append(F.scaled_dot_product_attention(bucket.select(qg), keys, values, attn_mask=mask, scale=scale))
-        if len(outs) == 1:
-            out = outs[0]
-        elif self._in_order:
-            out = torch.cat(outs, dim=1)
-        else:
-            out = torch.empty(b, self.num_kv_heads, self.group, d, dtype=dtype, device=q.device)
-            for bucket, yb in zip(self._buckets, outs):
-                out[:, bucket.kv_heads] = yb
+        qg = q.reshape(b, self.num_kv_heads, self.group, d).to(dtype)
+        outs = [plan.attend(qg, pos + 1, scale) for plan in self._plans]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        if self._order is not None:
+            out = out.index_select(1, self._order)
         out = out.reshape(b, h, 1, d)
         return out if out.dtype == q.dtype else out.to(q.dtype)
 
