@@ -137,6 +137,8 @@ def _check_scope(scope: str) -> None:
 
 def _items(num_heads: int, num_kv_heads: int, granularity: str) -> list[list[int]]:
     """The query heads of each knapsack item of one layer: single heads or KV groups."""
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}; got {granularity!r}")
     if granularity == "head":
         return [[h] for h in range(num_heads)]
     per = num_heads // num_kv_heads
