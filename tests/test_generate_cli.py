@@ -155,3 +155,45 @@ def test_damaged_runs_are_one_line_errors(run_dir: Path, tmp_path: Path, capsys)
     weights.write_bytes(weights.read_bytes()[:100])
     line = _error(_generate(truncated, "--prompt", "hi", "--checkpoint", "6"), capsys)
     assert "step 6" in line
+
+
+def _damaged_copy(run_dir: Path, tmp_path: Path, step: int) -> Path:
+    """A copy of the run whose checkpoint at ``step`` has one flipped byte in its weights."""
+    import shutil
+
+    copy = tmp_path / f"damaged_{step}"
+    shutil.copytree(run_dir, copy)
+    weights = checkpoint_dir(copy, step) / MODEL_FILE
+    data = bytearray(weights.read_bytes())
+    data[len(data) * 3 // 4] ^= 0x01  # inside the tensor data: the file still parses
+    weights.write_bytes(bytes(data))
+    return copy
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_good_one(run_dir: Path, tmp_path: Path, capsys) -> None:
+    damaged = _damaged_copy(run_dir, tmp_path, 6)
+    rc = main(_generate(damaged, "--prompt", "To be", "--max-new-tokens", "6", "--temperature", "0"))
+    out, err = capsys.readouterr()
+    assert rc == 0
+    assert out == _expected(run_dir, 3, "To be", 6) + "\n"  # the weights of step 3, not the damaged 6
+    lines = err.strip().splitlines()
+    assert len(lines) == 2, err
+    assert lines[0].startswith("skipping checkpoint step 6") and "sha256" in lines[0]
+    assert "from checkpoint step 3" in lines[1]
+
+
+def test_a_named_damaged_checkpoint_is_an_error_not_a_fallback(run_dir: Path, tmp_path: Path, capsys) -> None:
+    damaged = _damaged_copy(run_dir, tmp_path, 6)
+    line = _error(_generate(damaged, "--prompt", "hi", "--checkpoint", "6"), capsys)
+    assert "checkpoint step 6" in line and "is bad" in line and "sha256" in line
+    assert main(_generate(damaged, "--prompt", "hi", "--max-new-tokens", "2", "--checkpoint", "3")) == 0
+    assert "skipping" not in capsys.readouterr().err
+
+
+def test_no_checkpoint_that_verifies_is_an_error_after_the_warnings(run_dir: Path, tmp_path: Path, capsys) -> None:
+    damaged = _damaged_copy(_damaged_copy(run_dir, tmp_path, 6), tmp_path, 3)
+    assert main(_generate(damaged, "--prompt", "hi")) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    # As for aah eval: one warning per skipped checkpoint, then the one-line error.
+    assert [line.split(" (")[0] for line in lines[:2]] == ["skipping checkpoint step 6", "skipping checkpoint step 3"]
+    assert len(lines) == 3 and lines[2].startswith("aah generate: no checkpoint of") and "verifies" in lines[2]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+from fractions import Fraction
 
 import pytest
 import torch
@@ -12,10 +14,17 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from aah.cli import main  # noqa: E402
 from aah.controller import HeadController  # noqa: E402
-from aah.hf.calibrate import calibrate, share_within_kv_groups, uniform_window_for_budget  # noqa: E402
+from aah.controller.lost_mass import lost_mass  # noqa: E402
+from aah.hf.calibrate import (  # noqa: E402
+    budgeted_windows,
+    calibrate,
+    measure_lost_mass,
+    share_within_kv_groups,
+    uniform_window_for_budget,
+)
 from aah.hf.windows_file import load_windows, model_signature, save_windows  # noqa: E402
 from aah.regimes import get as get_regime  # noqa: E402
-from aah.windows import causal_coverage  # noqa: E402
+from aah.windows import causal_coverage, causal_pairs  # noqa: E402
 
 VOCAB = 300
 
@@ -109,6 +118,154 @@ def test_windows_file_round_trip_and_refusals(tmp_path):
         load_windows(tmp_path / "bad.safetensors")
 
 
+# ---- the budgeted policy ----------------------------------------------------------------------
+
+CANDS = (8, 16, 32, 64)
+
+
+def _batches(count: int = 2, seq_len: int = 64) -> list[torch.Tensor]:
+    return [torch.randint(0, VOCAB, (1, seq_len), generator=torch.Generator().manual_seed(s)) for s in range(count)]
+
+
+def _fits(windows, budget: float, seq_len: int, sinks: int) -> bool:
+    """Exact: allowed pairs within floor(b * heads * T (T + 1) / 2), the budget as written."""
+    pairs = sum(causal_pairs(int(w), seq_len, sink_tokens=sinks) for w in windows)
+    return pairs <= Fraction(repr(budget)) * len(windows) * (seq_len * (seq_len + 1) // 2)
+
+
+def _brute_force(lost: torch.Tensor, budget: float, sinks: int, groups: list[list[int]]) -> float:
+    """Least summed lost mass of any feasible assignment of one candidate to each group of heads."""
+    best = float("inf")
+    heads = sum(len(g) for g in groups)
+    for choice in itertools.product(range(len(CANDS)), repeat=len(groups)):
+        windows = [0] * heads
+        total = 0.0
+        for group, c in zip(groups, choice):
+            for h in group:
+                windows[h] = CANDS[c]
+                total += float(lost[h, c])
+        if _fits(windows, budget, 64, sinks):
+            best = min(best, total)
+    return best
+
+
+def _summed_lost(lost: torch.Tensor, windows: torch.Tensor) -> float:
+    return sum(float(lost[h, CANDS.index(int(w))]) for h, w in enumerate(windows.tolist()))
+
+
+@pytest.mark.parametrize("kv_heads,granularity", [(4, "head"), (2, "kv_group"), (2, "head"), (1, "kv_group")])
+@pytest.mark.parametrize("budget", [0.35, 0.5, 0.72])
+def test_budgeted_windows_respect_the_budget_per_layer(kv_heads, granularity, budget):
+    model = _llama(kv_heads=kv_heads)
+    windows = calibrate(model, _batches(), policy="budgeted", budget=budget, sink_tokens=4, granularity=granularity)
+    assert windows.shape == (2, 4) and set(windows.flatten().tolist()) <= set(CANDS)
+    for row in windows:
+        assert causal_coverage(row, 64, sink_tokens=4) <= budget
+    if granularity == "kv_group":
+        per = 4 // kv_heads
+        assert torch.equal(windows, windows[:, ::per].repeat_interleave(per, dim=1))  # one window per KV group
+    assert model.config._attn_implementation == "sdpa"  # left unpatched
+
+
+def test_model_scope_respects_the_budget_over_all_layers_and_is_no_worse():
+    model = _llama(layers=3)
+    batches = _batches()
+    lost = measure_lost_mass(model, batches, CANDS, sink_tokens=2)
+    per_layer = calibrate(model, batches, policy="budgeted", budget=0.5, sink_tokens=2)
+    whole = calibrate(model, batches, policy="budgeted", budget=0.5, sink_tokens=2, scope="model")
+    assert causal_coverage(whole, 64, sink_tokens=2) <= 0.5
+    # Every per-layer solution is feasible for the model, so the model-scope optimum loses no more.
+    summed = [sum(_summed_lost(lost[i], w[i]) for i in range(3)) for w in (per_layer, whole)]
+    assert summed[1] <= summed[0] + 1e-9
+    assert torch.equal(whole, budgeted_windows(lost, CANDS, 0.5, 64, sink_tokens=2, num_kv_heads=2, scope="model"))
+
+
+def test_calibrate_is_the_knapsack_over_the_measured_lost_mass():
+    model = _llama()
+    batches = _batches(3)
+    lost = measure_lost_mass(model, batches, CANDS, sink_tokens=4)
+    assert lost.shape == (2, 4, 4)
+    # Averaged over the batches: the mean of one measurement per batch.
+    single = torch.stack([measure_lost_mass(model, [b], CANDS, sink_tokens=4) for b in batches]).mean(0)
+    torch.testing.assert_close(lost, single)
+    assert bool((lost[..., 1:] <= lost[..., :-1] + 1e-6).all()) and float(lost[..., -1].abs().max()) < 1e-6
+    got = calibrate(model, batches, policy="budgeted", budget=0.45, sink_tokens=4)
+    assert torch.equal(got, budgeted_windows(lost, CANDS, 0.45, 64, sink_tokens=4, num_kv_heads=2))
+
+
+@pytest.mark.parametrize("source", ["measured", "random"])
+@pytest.mark.parametrize("sinks", [0, 4])
+def test_budgeted_choice_is_optimal_against_brute_force(source, sinks):
+    if source == "measured":
+        lost = measure_lost_mass(_llama(layers=1), _batches(), CANDS, sink_tokens=sinks)
+    else:  # a spread-out table (random heads are alike): decreasing in the window, zero at T
+        raw = torch.rand(1, 4, 4, generator=torch.Generator().manual_seed(sinks)).sort(dim=-1, descending=True).values
+        lost = raw * torch.tensor([1.0, 1.0, 1.0, 0.0])
+    groups = {"head": [[0], [1], [2], [3]], "kv_group": [[0, 1], [2, 3]]}
+    for budget in (0.3, 0.4, 0.45, 0.55, 0.7, 0.9, 1.0):
+        for granularity, members in groups.items():
+            if not _fits([CANDS[0]] * 4, budget, 64, sinks):
+                continue
+            windows = budgeted_windows(lost, CANDS, budget, 64, sink_tokens=sinks, num_kv_heads=2,
+                                       granularity=granularity)[0]
+            assert _fits(windows.tolist(), budget, 64, sinks)
+            assert _summed_lost(lost[0], windows) == pytest.approx(
+                _brute_force(lost[0], budget, sinks, members), abs=1e-9), (budget, granularity)
+
+
+def test_model_scope_is_optimal_against_brute_force_over_two_layers():
+    lost = torch.rand(2, 2, 4, generator=torch.Generator().manual_seed(5)).sort(dim=-1, descending=True).values
+    lost[..., -1] = 0
+    for budget in (0.4, 0.5, 0.65, 0.8):
+        windows = budgeted_windows(lost, CANDS, budget, 64, sink_tokens=4, granularity="head", scope="model")
+        flat = lost.reshape(4, 4)
+        assert _fits(windows.flatten().tolist(), budget, 64, 4)
+        assert _summed_lost(flat, windows.flatten()) == pytest.approx(
+            _brute_force(flat, budget, 4, [[0], [1], [2], [3]]), abs=1e-9)
+
+
+def test_a_head_whose_attention_is_all_far_away_gets_the_long_window():
+    # Hand-built post-RoPE q/k (no model): head 0 attends the query itself, head 1 the first
+    # key past the sinks (far away for nearly every query), head 2 a sink, head 3 itself.
+    t, sinks, big = 64, 4, 40.0
+    eye = torch.eye(t)
+    q = torch.zeros(1, 4, t, t)
+    k = torch.zeros(1, 4, t, t)
+    for h in (0, 3):
+        q[0, h], k[0, h] = big * eye, eye
+    q[0, 1, :, 0], k[0, 1, sinks, 0] = big, 1.0
+    q[0, 2, :, 0], k[0, 2, 0, 0] = big, 1.0
+    lost = lost_mass(q, k, CANDS, sink_tokens=sinks, scale=1.0)
+    assert float(lost[[0, 2, 3]].max()) < 1e-6  # local and sink mass is never lost
+    assert float(lost[1, 0]) > 0.9 and float(lost[1, -1]) < 1e-6
+    assert float(lost_mass(q, k, CANDS, scale=1.0)[2, 0]) > 0.9  # without sinks the sink head would lose it
+    budget = causal_coverage([8, 64, 8, 8], t, sink_tokens=sinks)
+    windows = budgeted_windows(lost[None], CANDS, budget, t, sink_tokens=sinks, granularity="head")
+    assert windows[0].tolist() == [8, 64, 8, 8]
+    # Per KV group the far head pulls its whole group up; the budget pays for both of its heads.
+    grouped = budgeted_windows(lost[None], CANDS, causal_coverage([64, 64, 8, 8], t, sink_tokens=sinks), t,
+                               sink_tokens=sinks, num_kv_heads=2)
+    assert grouped[0].tolist() == [64, 64, 8, 8]
+    tight = budgeted_windows(lost[None], CANDS, budget, t, sink_tokens=sinks, num_kv_heads=2)
+    assert tight[0].tolist() in ([32, 32, 8, 8], [16, 16, 8, 8]) and _fits(tight[0].tolist(), budget, t, sinks)
+
+
+def test_budgeted_errors_name_the_numbers():
+    model = _llama()
+    batch = _batches(1)
+    with pytest.raises(ValueError, match="policy 'budgeted' needs a budget"):
+        calibrate(model, batch, policy="budgeted")
+    smallest = causal_coverage([8], 64, sink_tokens=4)
+    with pytest.raises(ValueError, match=rf"budget 0.2 is below the smallest feasible causal coverage {smallest:.4f}"):
+        calibrate(model, batch, policy="budgeted", budget=0.2, sink_tokens=4)
+    with pytest.raises(ValueError, match=r"budget must be in \(0, 1\]"):
+        calibrate(model, batch, policy="budgeted", budget=1.5)
+    with pytest.raises(ValueError, match="scope must be one of"):
+        calibrate(model, batch, policy="budgeted", budget=0.5, scope="global")
+    # Exactly the smallest coverage is feasible: every head at the smallest window.
+    assert set(calibrate(model, batch, policy="budgeted", budget=smallest, sink_tokens=4).flatten().tolist()) == {8}
+
+
 # ---- the command line, on a tiny model folder and a text-folder corpus -------------------------
 
 @pytest.fixture(scope="module")
@@ -194,3 +351,26 @@ def test_hf_command_errors_are_one_line(tiny_model_dir, tmp_path, capsys):
         ["hf", "eval", str(model_dir), "--windows", str(other), *base, "--seq-len", "64"], capsys)
     assert "windows file not found" in _error(
         ["hf", "eval", str(model_dir), "--windows", str(tmp_path / "none"), *base, "--seq-len", "64"], capsys)
+
+
+def test_budgeted_calibrate_command_writes_policy_and_budget(tiny_model_dir, tmp_path, capsys):
+    model_dir, corpus = tiny_model_dir
+    out = tmp_path / "b.safetensors"
+    assert main(["hf", "calibrate", str(model_dir), "--corpus", str(corpus), "--seq-len", "64", "--policy",
+                 "budgeted", "--budget", "0.5", "--batches", "2", "--sink-tokens", "2", "--out", str(out)]) == 0
+    windows, meta = load_windows(out)
+    assert meta["policy"] == "budgeted" and meta["budget"] == 0.5 and meta["scope"] == "layer"
+    assert meta["granularity"] == "kv_group" and torch.equal(windows[:, 0::2], windows[:, 1::2])
+    assert meta["causal_coverage"] == causal_coverage(windows, 64, sink_tokens=2) <= 0.5
+    assert "budgeted windows for 2 layers x 4 heads" in capsys.readouterr().out
+
+
+def test_budgeted_calibrate_command_errors_are_one_line(tiny_model_dir, capsys):
+    model_dir, corpus = tiny_model_dir
+    base = ["hf", "calibrate", str(model_dir), "--corpus", str(corpus), "--seq-len", "64", "--policy", "budgeted",
+            "--batches", "1", "--out", "x"]
+    assert "needs a budget" in _error(base, capsys)
+    smallest = causal_coverage([8], 64, sink_tokens=4)
+    err = _error([*base, "--budget", "0.1"], capsys)
+    assert "0.1" in err and f"{smallest:.4f}" in err and "below the smallest feasible causal coverage" in err
+    assert "--scope must be one of" in _error([*base, "--budget", "0.5", "--scope", "everything"], capsys)

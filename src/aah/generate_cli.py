@@ -1,8 +1,11 @@
 """``aah generate RUN_DIR``: stream text from a trained run with the per-window KV cache.
 
 The run folder's ``config.yaml`` rebuilds the model and its tokenizer; a
-checkpoint (default: the newest) supplies the weights and the controllers'
-windows. The prompt is encoded with the run's own tokenizer, prefilled through
+checkpoint supplies the weights and the controllers' windows. By default that is
+the newest checkpoint that verifies against its sha256 manifest (as ``aah eval``
+and ``--resume`` choose it): each newer, damaged one is named on stderr and
+passed over. A checkpoint named with ``--checkpoint`` that is damaged is an
+error, not a fallback. The prompt is encoded with the run's own tokenizer, prefilled through
 the cache of :mod:`aah.cache`, and every new token is printed as soon as it is
 decoded (a multi-byte character waits for its last byte). The text goes to
 stdout; a last line on stderr gives the new tokens, tokens/s and the KV-cache
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -44,7 +48,7 @@ def add_commands(subparsers) -> None:
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: smallest set with mass p, in (0, 1]")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    p.add_argument("--checkpoint", type=int, default=None, metavar="STEP", help="checkpoint step (default: newest)")
+    p.add_argument("--checkpoint", type=int, default=None, metavar="STEP", help="checkpoint step (default: the newest that verifies)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="default cpu")
     p.set_defaults(func=_run)
 
@@ -82,16 +86,31 @@ def _check_options(args: argparse.Namespace) -> None:
         raise CLIError("--device cuda: no CUDA device is available")
 
 
-def _load(run_dir: Path, checkpoint: int | None, device: str):
-    """The run's tokenizer, model (weights loaded, eval mode) and checkpoint step."""
+def _checkpoint_folder(run_dir: Path, checkpoint: int | None, warn: Callable[[str], None]) -> tuple[int, Path]:
+    """(step, folder) of the checkpoint to load, verified against its manifest.
+
+    Without ``checkpoint`` the newest checkpoint that verifies, each newer bad one named
+    through ``warn``; a named ``checkpoint`` that is missing or bad is an error, not a fallback.
+    """
+    from .train.checkpoint import CheckpointError, checkpoint_at, newest_good_checkpoint
+
+    try:
+        if checkpoint is None:
+            step, folder, _ = newest_good_checkpoint(run_dir, warn=warn)
+            return step, folder
+        return checkpoint, checkpoint_at(run_dir, checkpoint, warn=warn)
+    except CheckpointError as exc:
+        raise CLIError(str(exc)) from None
+
+
+def _load(run_dir: Path, checkpoint: int | None, device: str, warn: Callable[[str], None]):
+    """The run's tokenizer, model (weights loaded, eval mode) and checkpoint step.
+
+    ``warn`` hears about the bad checkpoints passed over (see :func:`_checkpoint_folder`).
+    """
     from .config import ConfigError, load_config
     from .data.tokenizers import get_tokenizer
-    from .train.checkpoint import (
-        checkpoint_dir,
-        latest_checkpoint,
-        list_checkpoints,
-        load_checkpoint,
-    )
+    from .train.checkpoint import CheckpointError, load_checkpoint
     from .train.setup import model_from_config
 
     if not run_dir.is_dir():
@@ -102,16 +121,7 @@ def _load(run_dir: Path, checkpoint: int | None, device: str):
         cfg = load_config(run_dir / "config.yaml")
     except ConfigError as exc:
         raise CLIError(f"{run_dir}/config.yaml: {exc}") from None
-    steps = [s for s, _ in list_checkpoints(run_dir)]
-    if checkpoint is None:
-        found = latest_checkpoint(run_dir)
-        if found is None:
-            raise CLIError(f"{run_dir} has no checkpoint")
-        step, folder = found
-    else:
-        step, folder = checkpoint, checkpoint_dir(run_dir, checkpoint)
-        if checkpoint not in steps:
-            raise CLIError(f"no checkpoint at step {checkpoint} in {run_dir}; available steps: {steps}")
+    step, folder = _checkpoint_folder(run_dir, checkpoint, warn)
     d = cfg.data
     try:
         tokenizer = get_tokenizer(
@@ -123,8 +133,8 @@ def _load(run_dir: Path, checkpoint: int | None, device: str):
     model = model_from_config(cfg, tokenizer.vocab_size)
     try:
         load_checkpoint(folder, model, map_location="cpu")
-    except CLIError:
-        raise
+    except CheckpointError as exc:
+        raise CLIError(f"checkpoint at step {step}: {exc}".splitlines()[0]) from None
     except Exception as exc:  # a damaged checkpoint: any reader error is the user's to fix
         raise CLIError(f"checkpoint at step {step} cannot be loaded: {exc}".splitlines()[0]) from None
     return tokenizer, model.to(device).eval(), step
@@ -161,7 +171,9 @@ def run_generate(args: argparse.Namespace, out=None, err=None) -> dict:
     err = sys.stderr if err is None else err
     _check_options(args)
     text = _prompt_text(args)
-    tokenizer, model, step = _load(Path(args.run_dir), args.checkpoint, args.device)
+    tokenizer, model, step = _load(
+        Path(args.run_dir), args.checkpoint, args.device, lambda message: err.write(message + "\n")
+    )
     ids = tokenizer.encode(text)
     if not ids:
         raise CLIError("the prompt is empty once tokenized")

@@ -26,16 +26,19 @@ from .features import sample_query_positions
 __all__ = ["lost_mass", "lost_mass_from_probs"]
 
 
-def lost_mass_from_probs(probs: torch.Tensor, positions: torch.Tensor, windows: Sequence[int]) -> torch.Tensor:
+def lost_mass_from_probs(
+    probs: torch.Tensor, positions: torch.Tensor, windows: Sequence[int], *, sink_tokens: int = 0
+) -> torch.Tensor:
     """Lost mass (..., K) of attention rows ``probs`` (..., S, T) of queries at ``positions`` (S,).
 
     Entry ``k`` sums each row's probability on keys at distance ``>= windows[k]``,
-    averaged over the S rows.
+    averaged over the S rows. Keys ``j < sink_tokens`` stay visible, so their mass is never lost.
     """
     seq_len = probs.shape[-1]
     keys = torch.arange(seq_len, device=probs.device)
     distance = positions.to(probs.device)[:, None] - keys[None, :]  # (S, T)
-    out = [(probs * (distance >= int(w)).to(probs.dtype)).sum(-1).mean(-1) for w in windows]
+    past_sinks = keys[None, :] >= sink_tokens
+    out = [(probs * ((distance >= int(w)) & past_sinks).to(probs.dtype)).sum(-1).mean(-1) for w in windows]
     return torch.stack(out, dim=-1)
 
 
@@ -48,6 +51,7 @@ def lost_mass(
     num_queries: int = 32,
     start: int | None = None,
     scale: float | None = None,
+    sink_tokens: int = 0,
 ) -> torch.Tensor:
     """Lost mass per query head and window, shape (H, K), float32.
 
@@ -55,7 +59,7 @@ def lost_mass(
     repeats KV heads as the backends do). Queries are sampled as for
     ``usage``: ``num_queries`` evenly spaced positions from ``start``
     (default: the smallest window, so each sampled query can lose mass) to
-    the last position.
+    the last position. Mass on the ``sink_tokens`` first keys is not lost (they stay visible).
     """
     if not windows:
         raise ValueError("windows must name at least one window")
@@ -69,4 +73,4 @@ def lost_mass(
     keys = torch.arange(seq_len, device=q.device)
     scores = scores.masked_fill(pos[:, None] < keys[None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    return lost_mass_from_probs(probs, pos, windows).mean(dim=0).float()
+    return lost_mass_from_probs(probs, pos, windows, sink_tokens=sink_tokens).mean(dim=0).float()

@@ -8,29 +8,53 @@ Policies:
   after the last one are kept.
 * ``uniform``: one window for every head: the largest whose causal coverage (sinks counted)
   stays within ``budget``.
+* ``budgeted``: per head and candidate window, the *lost mass*: the attention probability
+  the head's real softmax attention (post-RoPE q/k, sampled queries against their full
+  causal context, :func:`aah.controller.lost_mass.lost_mass`) puts on keys outside the
+  window and outside the sinks, averaged over the calibration batches. The windows that
+  minimise the summed lost mass subject to causal coverage (sinks counted) ``<= budget``
+  are then chosen by the exact multiple-choice knapsack of :mod:`aah.controller.budget`,
+  per layer (``scope="layer"``) or for all layers at once (``scope="model"``).
 
 With grouped-query attention the windows are decided per KV group by default
-(``granularity="kv_group"``): the query heads that share a KV head share its window, the
-largest any of them chose, so the KV cache holds exactly what they read.
+(``granularity="kv_group"``): the query heads that share a KV head share its window, so the
+KV cache holds exactly what they read. ``aah_v3`` gives a group the largest window any of its
+heads chose; ``budgeted`` makes each group one knapsack item whose cost counts all of its
+query heads and whose lost mass is the sum over them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 from tqdm.auto import tqdm
 
 from ..controller import HeadController
+from ..controller.budget import budget_capacity, choose_windows
+from ..controller.lost_mass import lost_mass
 from ..controller.selection import share_within_kv_groups as share_row
 from ..regimes import get as get_regime
-from ..windows import candidate_windows, causal_coverage
+from ..windows import candidate_windows, causal_coverage, causal_pairs
 from .patching import RECORDER_ATTR, attention_modules, patch, unpatch
 
-__all__ = ["POLICIES", "GRANULARITIES", "calibrate", "uniform_window_for_budget", "share_within_kv_groups"]
+__all__ = [
+    "POLICIES",
+    "GRANULARITIES",
+    "SCOPES",
+    "calibrate",
+    "uniform_window_for_budget",
+    "share_within_kv_groups",
+    "measure_lost_mass",
+    "budgeted_windows",
+    "check_budgeted_budget",
+    "check_policy_budget",
+]
 
-POLICIES = ("aah_v3", "uniform")
+POLICIES = ("aah_v3", "uniform", "budgeted")
 GRANULARITIES = ("head", "kv_group")
+SCOPES = ("layer", "model")
 
 
 def uniform_window_for_budget(budget: float, seq_len: int, *, sink_tokens: int = 0) -> int:
@@ -67,6 +91,146 @@ def _num_kv_heads(model) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
+def _candidates(seq_len: int, candidates: Sequence[int] | None) -> tuple[int, ...]:
+    return tuple(int(c) for c in candidates) if candidates is not None else candidate_windows(seq_len)
+
+
+def _window_pairs(candidates: Sequence[int], seq_len: int, sink_tokens: int) -> list[int]:
+    """Allowed (query, key) pairs of one head per candidate, sinks counted."""
+    return [causal_pairs(w, seq_len, sink_tokens=sink_tokens) for w in candidates]
+
+
+def check_budgeted_budget(
+    budget: float | None, candidates: Sequence[int], seq_len: int, *, sink_tokens: int
+) -> float:
+    """``budget`` as a float, or ``ValueError``: missing, outside (0, 1], or below the smallest
+    feasible causal coverage (every head at the smallest candidate, sinks counted)."""
+    if budget is None:
+        raise ValueError("policy 'budgeted' needs a budget (target causal coverage in (0, 1])")
+    cheapest = min(_window_pairs(candidates, seq_len, sink_tokens))
+    # A layer (or model) of H heads fits iff floor(b H full) >= H cheapest iff floor(b full) >= cheapest.
+    if budget_capacity(budget, 1, seq_len) < cheapest:
+        smallest = causal_coverage([min(candidates)], seq_len, sink_tokens=sink_tokens)
+        raise ValueError(
+            f"budget {budget:g} is below the smallest feasible causal coverage {smallest:.4f} "
+            f"(every head at window {min(candidates)} with {sink_tokens} sink tokens at length {seq_len})"
+        )
+    return float(budget)
+
+
+def check_policy_budget(
+    policy: str, budget: float | None, seq_len: int, *, sink_tokens: int, candidates: Sequence[int] | None = None
+) -> None:
+    """``ValueError`` when ``policy`` needs a budget and ``budget`` is missing or infeasible."""
+    if policy == "uniform":
+        if budget is None:
+            raise ValueError("policy 'uniform' needs a budget (target causal coverage in (0, 1])")
+        uniform_window_for_budget(budget, seq_len, sink_tokens=sink_tokens)
+    elif policy == "budgeted":
+        check_budgeted_budget(budget, _candidates(seq_len, candidates), seq_len, sink_tokens=sink_tokens)
+
+
+def _check_scope(scope: str) -> None:
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {', '.join(SCOPES)}; got {scope!r}")
+
+
+def _items(num_heads: int, num_kv_heads: int, granularity: str) -> list[list[int]]:
+    """The query heads of each knapsack item of one layer: single heads or KV groups."""
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}; got {granularity!r}")
+    if granularity == "head":
+        return [[h] for h in range(num_heads)]
+    per = num_heads // num_kv_heads
+    return [list(range(g * per, (g + 1) * per)) for g in range(num_kv_heads)]
+
+
+def budgeted_windows(
+    lost: torch.Tensor,
+    candidates: Sequence[int],
+    budget: float,
+    seq_len: int,
+    *,
+    sink_tokens: int,
+    num_kv_heads: int | None = None,
+    granularity: str = "kv_group",
+    scope: str = "layer",
+) -> torch.Tensor:
+    """(L, H) windows minimising the summed lost mass with causal coverage ``<= budget``.
+
+    ``lost`` is the (L, H, K) lost-mass table of :func:`measure_lost_mass`. Every item (a head,
+    or a KV group of ``H / num_kv_heads`` heads) takes one candidate; the knapsack is solved
+    per layer or, with ``scope="model"``, once over all layers.
+    """
+    _check_scope(scope)
+    num_layers, num_heads, k = lost.shape
+    if k != len(candidates):
+        raise ValueError(f"lost has {k} windows but there are {len(candidates)} candidates")
+    check_budgeted_budget(budget, candidates, seq_len, sink_tokens=sink_tokens)
+    items = _items(num_heads, num_kv_heads or num_heads, granularity)
+    costs = _window_pairs(candidates, seq_len, sink_tokens)
+    item_lost = [torch.stack([lost[layer, heads].double().sum(0) for heads in items]) for layer in range(num_layers)]
+    sizes = [len(heads) for heads in items]
+    if scope == "model":
+        flat = choose_windows(torch.cat(item_lost), costs, budget, seq_len, sizes=sizes * num_layers)
+        choices = [flat[i * len(items) : (i + 1) * len(items)] for i in range(num_layers)]
+    else:
+        choices = [choose_windows(table, costs, budget, seq_len, sizes=sizes) for table in item_lost]
+    out = torch.empty(num_layers, num_heads, dtype=torch.int64)
+    for layer, choice in enumerate(choices):
+        for heads, c in zip(items, choice):
+            out[layer, heads] = int(candidates[c])
+    return out
+
+
+@contextmanager
+def _recording(model: torch.nn.Module, modules: list, recorders: Sequence[Callable], seq_len: int) -> Iterator[None]:
+    """Run the model at full attention with ``recorders[i]`` seeing layer ``i``'s post-RoPE q/k/v."""
+    if hasattr(model, "_aah_previous_attn_implementation"):
+        raise ValueError("calibrate a model that is not patched (aah.hf.unpatch it first)")
+    patch(model, torch.full((len(modules), model.config.num_attention_heads), seq_len), sink_tokens=0)
+    try:
+        for module, recorder in zip(modules, recorders):
+            setattr(module, RECORDER_ATTR, recorder)
+        yield
+    finally:
+        for module in modules:
+            if hasattr(module, RECORDER_ATTR):
+                delattr(module, RECORDER_ATTR)
+        unpatch(model)
+
+
+@torch.no_grad()
+def measure_lost_mass(
+    model: torch.nn.Module,
+    batches: Sequence[torch.Tensor],
+    candidates: Sequence[int],
+    *,
+    sink_tokens: int,
+    progress: bool = False,
+) -> torch.Tensor:
+    """(L, H, K) lost mass of every query head at every candidate, averaged over ``batches``.
+
+    Each layer's real post-RoPE q/k (its own softmax scale) go to
+    :func:`aah.controller.lost_mass.lost_mass`; mass on the sinks is not lost.
+    """
+    modules = attention_modules(model)
+    totals: list[torch.Tensor | None] = [None] * len(modules)
+
+    def recorder(layer: int, module) -> Callable:
+        def record(q, k, v) -> None:
+            current = lost_mass(q, k, candidates, scale=getattr(module, "scaling", None), sink_tokens=sink_tokens)
+            totals[layer] = current if totals[layer] is None else totals[layer] + current
+
+        return record
+
+    seq_len = int(batches[0].shape[-1])
+    with _recording(model, modules, [recorder(i, m) for i, m in enumerate(modules)], seq_len):
+        for batch in tqdm(batches, desc="calibrate budgeted", disable=not progress):
+            model(batch.to(model.device), use_cache=False)
+    return torch.stack([t.cpu() for t in totals]) / len(batches)
+
+
 @torch.no_grad()
 def calibrate(
     model: torch.nn.Module,
@@ -79,11 +243,13 @@ def calibrate(
     candidates: Sequence[int] | None = None,
     seed: int = 0,
     progress: bool = False,
+    scope: str = "layer",
 ) -> torch.Tensor:
     """(num_layers, num_query_heads) windows for ``model`` chosen by ``policy``.
 
     ``batches`` are token id tensors (B, T) of one length T. ``candidates`` default to the
-    paper's ladder ``T/8, T/4, T/2, T``. The model is left unpatched.
+    paper's ladder ``T/8, T/4, T/2, T``. ``scope`` (``layer`` or ``model``) is where the
+    ``budgeted`` policy spends its budget. The model is left unpatched.
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
@@ -97,36 +263,38 @@ def calibrate(
         raise ValueError("every calibration batch must have the same length")
     modules = attention_modules(model)
     heads = model.config.num_attention_heads
+    check_policy_budget(policy, budget, seq_len, sink_tokens=sink_tokens, candidates=candidates)
     if policy == "uniform":
-        if budget is None:
-            raise ValueError("policy 'uniform' needs a budget (target causal coverage in (0, 1])")
         window = uniform_window_for_budget(budget, seq_len, sink_tokens=sink_tokens)
         return torch.full((len(modules), heads), window, dtype=torch.int64)
+    if policy == "budgeted":
+        return _run_budgeted(model, batches, budget, seq_len, candidates, sink_tokens, granularity, scope, progress)
     windows = _run_aah_v3(model, modules, batches, heads, seq_len, candidates, seed, progress)
     if granularity == "kv_group":
         windows = share_within_kv_groups(windows, _num_kv_heads(model))
     return windows
 
 
+def _run_budgeted(model, batches, budget, seq_len, candidates, sink_tokens, granularity, scope, progress):
+    """Measure the lost mass, then solve; a bad scope fails before any forward pass."""
+    _check_scope(scope)
+    cands = _candidates(seq_len, candidates)
+    lost = measure_lost_mass(model, batches, cands, sink_tokens=sink_tokens, progress=progress)
+    return budgeted_windows(
+        lost, cands, budget, seq_len, sink_tokens=sink_tokens, num_kv_heads=_num_kv_heads(model),
+        granularity=granularity, scope=scope,
+    )
+
+
 def _run_aah_v3(model, modules, batches, heads, seq_len, candidates, seed, progress) -> torch.Tensor:
-    cands = tuple(int(c) for c in candidates) if candidates is not None else candidate_windows(seq_len)
+    cands = _candidates(seq_len, candidates)
     config = get_regime("full_adaptive", seed=seed).replace(windows=cands, control_warmup=0, control_interval=1)
     controllers = [
         HeadController(heads, config, max_seq_len=seq_len, layer_idx=i).train() for i in range(len(modules))
     ]
-    was_patched = hasattr(model, "_aah_previous_attn_implementation")
-    if was_patched:
-        raise ValueError("calibrate a model that is not patched (aah.hf.unpatch it first)")
-    patch(model, torch.full((len(modules), heads), seq_len), sink_tokens=0)
-    try:
+    with _recording(model, modules, [c.control_update for c in controllers], seq_len):
         for step, batch in enumerate(tqdm(batches, desc="calibrate aah_v3", disable=not progress)):
-            for module, controller in zip(modules, controllers):
+            for controller in controllers:
                 controller.set_step(step)
-                setattr(module, RECORDER_ATTR, controller.control_update)
             model(batch.to(model.device), use_cache=False)
-    finally:
-        for module in modules:
-            if hasattr(module, RECORDER_ATTR):
-                delattr(module, RECORDER_ATTR)
-        unpatch(model)
     return torch.tensor([c.current_windows(seq_len) for c in controllers], dtype=torch.int64)

@@ -47,8 +47,10 @@ def add_commands(subparsers) -> None:
     calibrate.add_argument("model_dir", metavar="MODEL_DIR")
     calibrate.add_argument("--corpus", default="shakespeare", help=CORPUS_HELP)
     calibrate.add_argument("--seq-len", type=int, required=True)
-    calibrate.add_argument("--policy", required=True, help="aah_v3 or uniform")
-    calibrate.add_argument("--budget", type=float, help="target causal coverage in (0, 1] (uniform)")
+    calibrate.add_argument("--policy", required=True, help="aah_v3, uniform or budgeted")
+    calibrate.add_argument("--budget", type=float, help="target causal coverage in (0, 1] (uniform, budgeted)")
+    calibrate.add_argument("--scope", default="layer",
+                           help="budgeted: spend the budget per layer (default) or over the whole model")
     calibrate.add_argument("--sink-tokens", type=int, default=4)
     calibrate.add_argument("--batches", type=int, default=4, help="calibration blocks (default 4)")
     calibrate.add_argument("--granularity", default="kv_group", help="kv_group (default) or head")
@@ -142,24 +144,37 @@ def _blocks(tokenizer, corpus: str, split: str, seq_len: int, count: int):
         raise CLIError(str(exc)) from None
 
 
+def _check_budget(args: argparse.Namespace) -> None:
+    """Refuse a missing or infeasible budget of a budget policy before the weights load."""
+    from .calibrate import check_policy_budget
+
+    try:
+        check_policy_budget(args.policy, args.budget, args.seq_len, sink_tokens=args.sink_tokens)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+
+
 def _calibrate(args: argparse.Namespace) -> int:
     from ..windows import acr, causal_coverage
-    from .calibrate import GRANULARITIES, POLICIES, calibrate
+    from .calibrate import GRANULARITIES, POLICIES, SCOPES, calibrate
     from .windows_file import model_signature, save_windows
 
     if args.policy not in POLICIES:
         raise CLIError(f"--policy must be one of {', '.join(POLICIES)}; got {args.policy!r}")
     if args.granularity not in GRANULARITIES:
         raise CLIError(f"--granularity must be one of {', '.join(GRANULARITIES)}; got {args.granularity!r}")
+    if args.scope not in SCOPES:
+        raise CLIError(f"--scope must be one of {', '.join(SCOPES)}; got {args.scope!r}")
     if args.sink_tokens < 0:
         raise CLIError(f"--sink-tokens must be >= 0, got {args.sink_tokens}")
     _, tokenizer, load_model = _load(args.model_dir, args.seq_len)
     blocks = _blocks(tokenizer, args.corpus, "train", args.seq_len, args.batches)
+    _check_budget(args)
     model = load_model()
     try:
         windows = calibrate(
             model, blocks.split(1), policy=args.policy, budget=args.budget, sink_tokens=args.sink_tokens,
-            granularity=args.granularity, seed=args.seed, progress=True,
+            granularity=args.granularity, seed=args.seed, progress=True, scope=args.scope,
         )
     except ValueError as exc:
         raise CLIError(str(exc)) from None
@@ -171,6 +186,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         "budget": args.budget,
         "sink_tokens": args.sink_tokens,
         "granularity": args.granularity,
+        "scope": args.scope if args.policy == "budgeted" else None,
         "corpus": args.corpus,
         "batches": args.batches,
         "acr": acr(windows, args.seq_len, sink_tokens=args.sink_tokens),
