@@ -223,8 +223,14 @@ class _DecodePlan:
         the softmax over the union of their keys, exactly.
         """
         dtype = qg.dtype
-        keys, values = self.keys.to(dtype), self.values.to(dtype)
-        mask = self.mask(length, dtype)
+        keys, values = self.keys, self.values
+        if self.width == 1 and not self.partial_rows:
+            # One chunk per KV head, all of one capacity: while filling, the written slots are a slice.
+            keys, values = keys[:, :, :length], values[:, :, :length]
+            mask = None
+        else:
+            mask = self.mask(length, dtype)
+        keys, values = keys.to(dtype), values.to(dtype)
         if self.identity and mask is None:
             return F.scaled_dot_product_attention(qg, keys, values, scale=scale)
         qc = qg if self.identity else qg.index_select(1, self.chunk_kv)
