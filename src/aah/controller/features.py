@@ -61,15 +61,15 @@ def qkv_moments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
 def _head_moments(x: torch.Tensor) -> torch.Tensor:
     """``[E|x|, E x, E x^2]`` per head of ``x`` (B, H_x, T, D): shape (H_x, 3), float64 (section 5.3).
 
-    Each row of D values is summed in (at least) float32, reading ``x`` in place
-    (no float64 or transposed copy of it); the (B, T) row sums are accumulated
-    in float64.
+    Each (batch, head, dim) column is summed over T in (at least) float32,
+    reading ``x`` in place (no float64 or transposed copy of it; torch sums
+    pairwise); the column sums are accumulated in float64.
     """
-    x = x.detach().contiguous()  # the three passes below read a contiguous x faster
+    x = x.detach()
     count = x.numel() // x.shape[1]
     acc = torch.promote_types(x.dtype, torch.float32)
-    rows = torch.stack([t.sum(-1, dtype=acc) for t in (x.abs(), x, x * x)], dim=-1)  # (B, H_x, T, 3)
-    return rows.sum((0, 2), dtype=torch.float64) / count
+    cols = torch.stack([t.sum(2, dtype=acc) for t in (x.abs(), x, x * x)], dim=-1)  # (B, H_x, D, 3)
+    return cols.sum((0, 2), dtype=torch.float64) / count
 
 
 def statistics_from_moments(moments: torch.Tensor) -> torch.Tensor:
