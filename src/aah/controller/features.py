@@ -63,13 +63,16 @@ def _head_moments(x: torch.Tensor) -> torch.Tensor:
 
     Each (batch, head, dim) column is summed over T in (at least) float32,
     reading ``x`` in place (no float64 or transposed copy of it; torch sums
-    pairwise); the column sums are accumulated in float64.
+    pairwise); the column sums are accumulated in float64. One scratch tensor
+    holds ``|x|`` and then ``|x|^2 = x^2``.
     """
     x = x.detach()
     count = x.numel() // x.shape[1]
     acc = torch.promote_types(x.dtype, torch.float32)
-    cols = torch.stack([t.sum(2, dtype=acc) for t in (x.abs(), x, x * x)], dim=-1)  # (B, H_x, D, 3)
-    return cols.sum((0, 2), dtype=torch.float64) / count
+    scratch = x.abs()
+    abs_sum = scratch.sum(2, dtype=acc)
+    cols = [abs_sum, x.sum(2, dtype=acc), scratch.mul_(scratch).sum(2, dtype=acc)]
+    return torch.stack(cols, dim=-1).sum((0, 2), dtype=torch.float64) / count  # (B, H_x, D, 3) -> (H_x, 3)
 
 
 def statistics_from_moments(moments: torch.Tensor) -> torch.Tensor:
@@ -193,11 +196,12 @@ def attention_diagnostics(
         blocked = (distance < 0) | (distance >= w)  # (H, S, T)
         visible = torch.minimum(visible, w.view(num_heads, 1).float())
         probs = torch.softmax(_mask_scores(sampled.scores, blocked), dim=-1)
-    # p log p, 0 where p = 0 (there 0 * log(1e-30) is already 0).
-    plogp_sum = probs.clamp_min(1e-30).log_().mul_(probs).sum(-1)
+    # p log p, 0 where p = 0 (there 0 * log(1e-30) is already 0); one scratch tensor serves twice.
+    scratch = probs.clamp_min(1e-30)
+    plogp_sum = scratch.log_().mul_(probs).sum(-1)
     log_keys = torch.where(visible > 1, visible.log(), torch.ones_like(visible))
     entropy = torch.where(visible > 1, -plogp_sum / log_keys, torch.zeros_like(log_keys))
     out_norm = torch.matmul(probs, vf).norm(dim=-1)
-    usage = (probs * (distance >= long_range)).sum(-1)
+    usage = torch.mul(probs, distance >= long_range, out=scratch).sum(-1)
     diag = torch.stack([entropy, out_norm, usage], dim=-1)  # (B, H, S, 3)
     return diag.mean(dim=(0, 2))

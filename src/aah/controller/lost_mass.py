@@ -34,7 +34,8 @@ def lost_mass_from_probs(probs: torch.Tensor, positions: torch.Tensor, windows: 
     seq_len = probs.shape[-1]
     keys = torch.arange(seq_len, device=probs.device)
     distance = positions.to(probs.device)[:, None] - keys[None, :]  # (S, T)
-    out = [(probs * (distance >= int(w)).to(probs.dtype)).sum(-1).mean(-1) for w in windows]
+    scratch = torch.empty_like(probs)  # one buffer for every window's masked rows
+    out = [torch.mul(probs, (distance >= int(w)).to(probs.dtype), out=scratch).sum(-1).mean(-1) for w in windows]
     return torch.stack(out, dim=-1)
 
 
