@@ -13,7 +13,7 @@ every ``control_interval`` steps. The time spent inside those updates is
 measured directly and reported as ``controller_overhead``: the median
 update's cost spread over the control interval, over the median step time of
 that model without its control work. By default enough rounds are timed to
-include at least two control updates, and the update time is broken down by
+include at least three control updates, and the update time is broken down by
 part (scores, lost mass, features, decision, commit, diagnostics).
 """
 
@@ -166,8 +166,9 @@ def bench_train(
     }
 
 
-#: Control updates the default number of rounds includes (their median is the update time).
-MIN_CONTROL_UPDATES = 2
+#: Control updates the default number of rounds includes (their median is the update time;
+#: three, so that one update slowed by another process does not set it).
+MIN_CONTROL_UPDATES = 3
 
 #: The parts of a control update (paper, sections 5.3 to 5.8) timed separately.
 CONTROL_PARTS = {
@@ -253,7 +254,7 @@ def add_command(bench_subparsers) -> None:
     p.add_argument("--mix", default="full_adaptive", help="paper window mix (see aah bench attention --help)")
     p.add_argument("--backend", default="auto")
     p.add_argument("--repeats", type=int, default=None,
-                   help="timed rounds (default 10, more if needed to include two control updates "
+                   help="timed rounds (default 10, more if needed to include three control updates "
                         "of the live controller)")
     p.add_argument("--regime", default="full_adaptive",
                    help="regime whose controller runs live to measure its overhead (default full_adaptive)")
