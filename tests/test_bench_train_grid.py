@@ -18,7 +18,7 @@ TRAIN_KEYS = {
 }
 CONTROLLER_KEYS = {
     "regime", "control_interval", "steps", "control_updates", "update_ms", "step_ms", "overhead",
-    "backend", "causal_coverage_end",
+    "backend", "causal_coverage_end", "updates_ms", "parts_ms",
 }
 
 
@@ -36,6 +36,20 @@ def test_bench_train_reports_speedup_and_live_controller_overhead():
     assert c["update_ms"] > 0 and 0 < c["overhead"] < 1
     assert r["controller_overhead"] == c["overhead"]
     assert c["overhead"] == pytest.approx(c["update_ms"] / c["control_interval"] / c["step_ms"])
+    assert len(c["updates_ms"]) == 1 and c["updates_ms"][0] == pytest.approx(c["update_ms"])
+    parts = c["parts_ms"]
+    assert set(parts) == {"scores", "lost_mass", "features", "decision", "commit", "diagnostics", "other"}
+    assert all(ms >= 0 for ms in parts.values()) and parts["scores"] > 0 and parts["decision"] > 0
+    assert sum(parts.values()) == pytest.approx(c["update_ms"])
+
+
+def test_bench_train_default_rounds_include_three_control_updates():
+    r = bench_train(seq_len=32, layers=1, d_model=32, heads=4, batch=1, warmup=1)
+    c = r["controller"]
+    assert r["repeats"] == c["steps"] == 15 and c["control_updates"] == 3  # steps 5, 10 and 15
+    assert len(c["updates_ms"]) == 3 and c["update_ms"] == pytest.approx(sorted(c["updates_ms"])[1])
+    no_ctrl = bench_train(seq_len=32, layers=1, d_model=32, heads=4, batch=1, warmup=0, regime=None)
+    assert no_ctrl["repeats"] == 10
 
 
 def test_bench_train_without_controller_and_bad_regime():

@@ -64,3 +64,19 @@ def test_lost_mass_at_smallest_window_is_usage():
     got = lost_mass(q, k, [8, 16, 32], num_queries=10)
     usage = attention_diagnostics(q, k, v, long_range=8, num_queries=10)[:, 2]
     torch.testing.assert_close(got[:, 0], usage, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("windows", [None, (8, 32, 16, 8)])
+def test_shared_sampled_scores_give_the_same_diagnostics_and_lost_mass(windows):
+    from aah.controller.features import sample_scores
+
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 32, 8, generator=gen)
+    k, v = torch.randn(2, 2, 32, 8, generator=gen), torch.randn(2, 2, 32, 8, generator=gen)
+    sampled = sample_scores(q, k, num_queries=10, start=8)
+    shared_lost = lost_mass(q, k, [8, 16, 32], num_queries=10, sampled=sampled)
+    shared_diag = attention_diagnostics(q, k, v, long_range=8, num_queries=10, windows=windows, sampled=sampled)
+    assert torch.equal(shared_lost, lost_mass(q, k, [8, 16, 32], num_queries=10))
+    assert torch.equal(shared_diag, attention_diagnostics(q, k, v, long_range=8, num_queries=10, windows=windows))
+    with pytest.raises(ValueError, match="sampled"):
+        lost_mass(q, k, [8, 16, 32], num_queries=12, sampled=sampled)  # other query positions

@@ -10,8 +10,11 @@ A third model runs the controller of a regime (default ``full_adaptive``)
 live, from step 0 (no warm-up), so its control updates (paper, sections
 5.3 to 5.7: features and diagnostics, hierarchy, scoring, commit) happen
 every ``control_interval`` steps. The time spent inside those updates is
-measured directly and reported as ``controller_overhead``: the average
-control cost per step over the median step time of that model.
+measured directly and reported as ``controller_overhead``: the median
+update's cost spread over the control interval, over the median step time of
+that model without its control work. By default enough rounds are timed to
+include at least three control updates, and the update time is broken down by
+part (scores, lost mass, features, decision, commit, diagnostics).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import json
 import statistics
 import sys
 import time
+from collections import defaultdict
 
 import torch
 
@@ -44,7 +48,7 @@ def bench_train(
     windows: tuple[int, ...] | None = None,
     mix: str | None = "full_adaptive",
     backend: str = "auto",
-    repeats: int = 10,
+    repeats: int | None = None,
     warmup: int = 2,
     device: str = "cpu",
     regime: str | None = "full_adaptive",
@@ -53,6 +57,8 @@ def bench_train(
 
     With ``regime`` set, a third model runs that regime's controller live and
     the result holds the controller's measured overhead (``regime=None`` skips it).
+    ``repeats=None`` times 10 rounds, more if needed to include
+    ``MIN_CONTROL_UPDATES`` control updates of the live model.
     """
     if windows is None:
         from .attention import mix_windows
@@ -75,7 +81,7 @@ def bench_train(
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg.vocab_size, (batch, seq_len), generator=gen).to(dev)
     models = {"full": full, "aah": aah}
-    control_times: list[float] = []
+    clock = _ControlClock()
     if regime is not None:
         if regime not in regimes.names():
             raise ValueError(f"--regime must be one of {', '.join(regimes.names())}; got {regime!r}")
@@ -85,16 +91,20 @@ def bench_train(
         if live.controllers():
             models["controlled"] = live
             for ctrl in live.controllers():
-                _time_control_work(ctrl, control_times)
+                clock.wrap(ctrl)
+    if repeats is None:
+        repeats = _default_repeats(ctrl_cfg if "controlled" in models else None, warmup)
     opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-4) for name, m in models.items()}
     steps_done = {name: 0 for name in models}
     control_per_step: list[float] = []
+    parts_per_step: list[dict[str, float]] = []
+    plain_steps: list[float] = []
 
     def step(name: str) -> float:
         model, opt = models[name], opts[name]
         model.set_step(steps_done[name])
         steps_done[name] += 1
-        before = len(control_times)
+        clock.take()
         start = time.perf_counter()
         _, loss = model(x, x)
         loss.backward()
@@ -104,7 +114,10 @@ def bench_train(
             torch.cuda.synchronize(dev)
         elapsed = time.perf_counter() - start
         if name == "controlled":
-            control_per_step.append(sum(control_times[before:]))
+            total, parts = clock.take()
+            control_per_step.append(total)
+            parts_per_step.append(parts)
+            plain_steps.append(elapsed - total)
         return elapsed
 
     for _ in range(warmup):
@@ -112,6 +125,8 @@ def bench_train(
             step(name)
     if "controlled" in models:  # the warm-up rounds' control updates are not counted
         control_per_step.clear()
+        parts_per_step.clear()
+        plain_steps.clear()
     times: dict[str, list[float]] = {name: [] for name in models}
     for r in range(repeats):
         order = list(models) if r % 2 == 0 else list(reversed(models))
@@ -123,18 +138,21 @@ def bench_train(
     if "controlled" in models:
         live = models["controlled"]
         interval = live.controllers()[0].config.control_interval
-        updates = [t for t in control_per_step if t > 0]
-        per_update = statistics.median(updates) if updates else 0.0
+        updates = [i for i, t in enumerate(control_per_step) if t > 0]
+        per_update = statistics.median(control_per_step[i] for i in updates) if updates else 0.0
+        plain = statistics.median(plain_steps)  # the step without its control work
         controller = {
             "regime": regime,
             "control_interval": interval,
             "steps": len(control_per_step),
             "control_updates": len(updates),
             "update_ms": per_update * 1e3,
-            "step_ms": med["controlled"] * 1e3,
-            "overhead": per_update / interval / med["controlled"],
+            "step_ms": plain * 1e3,
+            "overhead": per_update / interval / plain,
             "backend": auto_label(live.backends_used()),
             "causal_coverage_end": live.coverage(seq_len)["causal_coverage"],
+            "updates_ms": [control_per_step[i] * 1e3 for i in updates],
+            "parts_ms": _median_parts([parts_per_step[i] for i in updates]),
         }
     return {
         "seq_len": seq_len, "layers": layers, "d_model": d_model, "heads": heads, "batch": batch,
@@ -148,19 +166,76 @@ def bench_train(
     }
 
 
-def _time_control_work(ctrl, sink: list[float]) -> None:
-    """Wrap ``ctrl``'s control work (updates and warm-up observations) to add its seconds to ``sink``."""
-    for attr in ("control_update", "_warmup_observation"):
+#: Control updates the default number of rounds includes (their median is the update time;
+#: three, so that one update slowed by another process does not set it).
+MIN_CONTROL_UPDATES = 3
+
+#: The parts of a control update (paper, sections 5.3 to 5.8) timed separately.
+CONTROL_PARTS = {
+    "sample_scores": "scores",  # sampled query scores, shared by the two measurements below
+    "record_lost_mass": "lost_mass",
+    "observe": "features",  # activation moments and the feature EMA
+    "decide": "decision",  # hierarchy, scoring, selection
+    "commit": "commit",
+    "record_diagnostics": "diagnostics",
+}
+
+
+def _default_repeats(config, warmup: int, at_least: int = 10) -> int:
+    """Rounds from step ``warmup`` on that include ``MIN_CONTROL_UPDATES`` control updates (at least 10)."""
+    if config is None:
+        return at_least
+    rounds, updates = 0, 0
+    while rounds < at_least or updates < MIN_CONTROL_UPDATES:
+        s = warmup + rounds
+        updates += s >= config.control_warmup and (s - config.control_warmup) % config.control_interval == 0
+        rounds += 1
+    return rounds
+
+
+def _median_parts(parts: list[dict[str, float]]) -> dict[str, float]:
+    """Median milliseconds of each part over the control updates, and what the parts leave out."""
+    names = list(CONTROL_PARTS.values()) + ["other"]
+    return {n: statistics.median(p.get(n, 0.0) for p in parts) * 1e3 for n in names} if parts else {}
+
+
+class _ControlClock:
+    """Seconds the wrapped controllers spend in control work, in total and by part, since :meth:`take`."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self.parts: dict[str, float] = defaultdict(float)
+
+    def wrap(self, ctrl) -> None:
+        """Time ``ctrl``'s control updates and warm-up observations, and the parts inside them."""
+        for attr in ("control_update", "_warmup_observation"):
+            self._patch(ctrl, attr, None)
+        for attr, part in CONTROL_PARTS.items():
+            self._patch(ctrl, attr, part)
+
+    def _patch(self, ctrl, attr: str, part: str | None) -> None:
         original = getattr(ctrl, attr)
 
-        def timed(*args, _original=original, **kwargs):
+        def timed(*args, **kwargs):
             start = time.perf_counter()
             try:
-                return _original(*args, **kwargs)
+                return original(*args, **kwargs)
             finally:
-                sink.append(time.perf_counter() - start)
+                elapsed = time.perf_counter() - start
+                if part is None:
+                    self.total += elapsed
+                else:
+                    self.parts[part] += elapsed
 
         setattr(ctrl, attr, timed)
+
+    def take(self) -> tuple[float, dict[str, float]]:
+        """The seconds since the last call (total, by part with ``other`` the rest), then reset."""
+        total, parts = self.total, dict(self.parts)
+        if total > 0:
+            parts["other"] = max(0.0, total - sum(parts.values()))
+        self.total, self.parts = 0.0, defaultdict(float)
+        return total, parts
 
 
 def add_command(bench_subparsers) -> None:
@@ -178,8 +253,9 @@ def add_command(bench_subparsers) -> None:
     p.add_argument("--windows", default=None, help="comma-separated windows, one per head")
     p.add_argument("--mix", default="full_adaptive", help="paper window mix (see aah bench attention --help)")
     p.add_argument("--backend", default="auto")
-    p.add_argument("--repeats", type=int, default=10,
-                   help="timed rounds (default 10: two control updates at the paper's interval of 5)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed rounds (default 10, more if needed to include three control updates "
+                        "of the live controller)")
     p.add_argument("--regime", default="full_adaptive",
                    help="regime whose controller runs live to measure its overhead (default full_adaptive)")
     p.add_argument("--no-controller", action="store_true", help="skip the live-controller model")
@@ -217,6 +293,8 @@ def _run(args: argparse.Namespace) -> int:
     c = r["controller"]
     if c is not None:
         print(f"controller ({c['regime']}, live, every {c['control_interval']} steps): "
-              f"{c['update_ms']:.1f} ms per update, {c['control_updates']} updates in {c['steps']} timed steps; "
-              f"overhead {100 * c['overhead']:.2f} % of the {c['step_ms']:.1f} ms step")
+              f"{c['update_ms']:.1f} ms per update (median), {c['control_updates']} updates in {c['steps']} "
+              f"timed steps; overhead {100 * c['overhead']:.2f} % of the {c['step_ms']:.1f} ms step")
+        if c["parts_ms"]:
+            print("  per update: " + ", ".join(f"{n} {ms:.1f} ms" for n, ms in c["parts_ms"].items()))
     return 0

@@ -32,7 +32,14 @@ from ..windows import candidate_windows
 from . import budgeted
 from .budget import check_budget
 from .config import BUDGET_SCORINGS, ControllerConfig
-from .features import NUM_FEATURES, attention_diagnostics, qkv_moments, statistics_from_moments
+from .features import (
+    NUM_FEATURES,
+    SampledScores,
+    attention_diagnostics,
+    qkv_moments,
+    sample_scores,
+    statistics_from_moments,
+)
 from .hierarchy import (
     Topology,
     cap_groups,
@@ -259,18 +266,20 @@ class HeadController(nn.Module):
         The lost-mass table is measured first (budgeted scorings decide from it). A
         model-scope budget commits nothing here: the model solves for all layers
         once every layer has measured (:func:`.budgeted.settle_model_budget`).
+        The sampled scores are computed once and shared by both measurements.
         """
-        self.record_lost_mass(q, k)
+        sampled = self.sample_scores(q, k)
+        self.record_lost_mass(q, k, sampled=sampled)
         if self.config.scoring == "budgeted" and self.config.budget_scope == "model":
             self.observe(q, k, v)
             self._mark_step()
-            self.record_diagnostics(q, k, v)
+            self.record_diagnostics(q, k, v, sampled=sampled)
             self.budget_pending = True
             return Decision(topology=())
         features = self.observe(q, k, v)
         decision = self.decide(features)
         self.commit(decision)
-        self.record_diagnostics(q, k, v)
+        self.record_diagnostics(q, k, v, sampled=sampled)
         return decision
 
     @torch.no_grad()
@@ -295,8 +304,14 @@ class HeadController(nn.Module):
             self.feature_ema_ready.fill_(True)
         return self.feature_ema.clone()
 
+    def sample_scores(self, q: torch.Tensor, k: torch.Tensor) -> SampledScores:
+        """The sampled query scores that the diagnostics and the lost mass both read (section 5.3)."""
+        return sample_scores(q, k, num_queries=self.config.diagnostic_queries, start=self.candidates[0])
+
     @torch.no_grad()
-    def record_diagnostics(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def record_diagnostics(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sampled: SampledScores | None = None
+    ) -> None:
         """Sampled entropy / output norm / usage, kept for the next control update.
 
         With ``diagnostics_context="executed"`` (the paper's reading) each head
@@ -305,17 +320,18 @@ class HeadController(nn.Module):
         """
         windows = self.current_windows(q.shape[2]) if self.config.diagnostics_context == "executed" else None
         diag = attention_diagnostics(
-            q, k, v, long_range=self.candidates[0], num_queries=self.config.diagnostic_queries, windows=windows
+            q, k, v, long_range=self.candidates[0], num_queries=self.config.diagnostic_queries,
+            windows=windows, sampled=sampled,
         )
         self.last_diagnostics.copy_(_mean_over_ranks(diag).to(self.last_diagnostics))
         self.has_diagnostics.fill_(True)
 
     @torch.no_grad()
-    def record_lost_mass(self, q: torch.Tensor, k: torch.Tensor) -> None:
+    def record_lost_mass(self, q: torch.Tensor, k: torch.Tensor, *, sampled: SampledScores | None = None) -> None:
         """Measure the lost mass at every (clamped) candidate and fold it into the EMA."""
         windows = [min(max(w, self.min_window), self.max_seq_len) for w in self.candidates]
         current = measure_lost_mass(
-            q, k, windows, num_queries=self.config.diagnostic_queries, start=self.candidates[0]
+            q, k, windows, num_queries=self.config.diagnostic_queries, start=self.candidates[0], sampled=sampled
         )
         current = _mean_over_ranks(current.to(self.lost_mass))
         if bool(self.lost_mass_ready):

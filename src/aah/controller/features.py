@@ -27,12 +27,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from ..backends.base import expand_kv
 
-__all__ = ["NUM_FEATURES", "FEATURE_NAMES", "qkv_moments", "qkv_statistics", "statistics_from_moments", "sample_query_positions", "attention_diagnostics"]
+__all__ = [
+    "NUM_FEATURES", "FEATURE_NAMES", "qkv_moments", "qkv_statistics", "statistics_from_moments",
+    "sample_query_positions", "SampledScores", "sample_scores", "attention_diagnostics",
+]
 
 FEATURE_NAMES = (
     "mean_abs_q", "std_q", "mean_abs_k", "std_k", "mean_abs_v", "std_v",
@@ -50,14 +54,25 @@ def qkv_moments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
     With grouped-query attention a query head takes the moments of the KV head it reads.
     """
     num_heads = q.shape[1]
-    moments = []
-    for x in (q, k, v):
-        # Reduced over (B, T, D) with float64 accumulation: no float64 or transposed copy.
-        x, dims, f64 = x.detach(), (0, 2, 3), torch.float64
-        count = x.numel() // x.shape[1]
-        per_head = [t.sum(dims, dtype=f64) / count for t in (x.abs(), x, x * x)]
-        moments += [m.repeat_interleave(num_heads // x.shape[1]) for m in per_head]  # KV head -> its query heads
-    return torch.stack(moments, dim=1)
+    moments = [_head_moments(x).repeat_interleave(num_heads // x.shape[1], dim=0) for x in (q, k, v)]
+    return torch.cat(moments, dim=1)  # KV head -> its query heads
+
+
+def _head_moments(x: torch.Tensor) -> torch.Tensor:
+    """``[E|x|, E x, E x^2]`` per head of ``x`` (B, H_x, T, D): shape (H_x, 3), float64 (section 5.3).
+
+    Each (batch, head, dim) column is summed over T in (at least) float32,
+    reading ``x`` in place (no float64 or transposed copy of it; torch sums
+    pairwise); the column sums are accumulated in float64. One scratch tensor
+    holds ``|x|`` and then ``|x|^2 = x^2``.
+    """
+    x = x.detach()
+    count = x.numel() // x.shape[1]
+    acc = torch.promote_types(x.dtype, torch.float32)
+    scratch = x.abs()
+    abs_sum = scratch.sum(2, dtype=acc)
+    cols = [abs_sum, x.sum(2, dtype=acc), scratch.mul_(scratch).sum(2, dtype=acc)]
+    return torch.stack(cols, dim=-1).sum((0, 2), dtype=torch.float64) / count  # (B, H_x, D, 3) -> (H_x, 3)
 
 
 def statistics_from_moments(moments: torch.Tensor) -> torch.Tensor:
@@ -82,6 +97,64 @@ def sample_query_positions(seq_len: int, num_queries: int, start: int) -> torch.
     return torch.linspace(seq_len - 1, start, count).round().long().unique()
 
 
+@dataclass
+class SampledScores:
+    """Scaled scores of a few sampled queries against every key, shared within a control update.
+
+    The diagnostics (section 5.3) and the lost-mass table sample the same
+    query positions of the same q and k, so a control update computes the
+    ``(B, H, S, T)`` score product once (:func:`sample_scores`) and both read
+    it; the causal softmax is computed at most once too.
+    """
+
+    positions: torch.Tensor  # (S,) sampled query positions
+    scores: torch.Tensor  # (B, H, S, T) float32, scaled, unmasked
+    scale: float
+    _causal_probs: torch.Tensor | None = field(default=None, repr=False)
+
+    def causal_probs(self) -> torch.Tensor:
+        """Softmax over the keys each sampled query may see (full causal context)."""
+        if self._causal_probs is None:
+            keys = torch.arange(self.scores.shape[-1], device=self.scores.device)
+            blocked = self.positions[:, None] < keys[None, :]  # (S, T)
+            self._causal_probs = torch.softmax(_mask_scores(self.scores, blocked), dim=-1)
+        return self._causal_probs
+
+    def check(self, seq_len: int, num_queries: int, start: int, scale: float) -> None:
+        """Raise ``ValueError`` unless these are the scores that sampling would compute."""
+        expected = sample_query_positions(seq_len, num_queries, start).to(self.positions.device)
+        if self.scores.shape[-1] != seq_len or self.scale != scale or not torch.equal(self.positions, expected):
+            raise ValueError("sampled: scores of other query positions, length or scale")
+
+
+@torch.no_grad()
+def sample_scores(
+    q: torch.Tensor, k: torch.Tensor, *, num_queries: int, start: int, scale: float | None = None
+) -> SampledScores:
+    """The scaled scores of :func:`sample_query_positions` queries against every key, without gradient.
+
+    ``q`` is (B, H, T, D), ``k`` is (B, H_kv, T, D) (grouped-query attention
+    repeats KV heads as the backends do).
+    """
+    num_heads, seq_len, dim = q.shape[1], q.shape[2], q.shape[3]
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    pos = sample_query_positions(seq_len, num_queries, start=start).to(q.device)
+    qs = q.detach().float()[:, :, pos]  # (B, H, S, D)
+    kf = expand_kv(k.detach().float(), num_heads).contiguous()  # a strided k makes the product slow
+    scores = torch.matmul(qs, kf.transpose(-1, -2)).mul_(scale)  # (B, H, S, T)
+    return SampledScores(pos, scores, scale)
+
+
+def _mask_scores(scores: torch.Tensor, blocked: torch.Tensor) -> torch.Tensor:
+    """``scores`` with ``-inf`` where ``blocked`` (broadcast), as ``masked_fill`` gives it.
+
+    Adding a ``0 / -inf`` bias yields the same values and is much faster on CPU
+    than ``masked_fill`` with a broadcast mask.
+    """
+    bias = torch.zeros(blocked.shape, dtype=scores.dtype, device=scores.device)
+    return scores + bias.masked_fill_(blocked, float("-inf"))
+
+
 @torch.no_grad()
 def attention_diagnostics(
     q: torch.Tensor,
@@ -92,6 +165,7 @@ def attention_diagnostics(
     num_queries: int = 32,
     scale: float | None = None,
     windows: Sequence[int] | None = None,
+    sampled: SampledScores | None = None,
 ) -> torch.Tensor:
     """Entropy, output norm and long-range usage per head, shape (H, 3), float32.
 
@@ -99,32 +173,35 @@ def attention_diagnostics(
     smallest candidate window). Queries are sampled from positions that can
     see that far back, when the sequence is long enough. ``windows`` (one per
     query head) restricts head ``h`` to keys ``i - W_h < j <= i``, the
-    attention as executed; ``None`` means full causal context.
+    attention as executed; ``None`` means full causal context. ``sampled``
+    passes the scores :func:`sample_scores` computed for the same queries.
     """
-    b, num_heads, seq_len, dim = q.shape
+    num_heads, seq_len, dim = q.shape[1], q.shape[2], q.shape[3]
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
-    pos = sample_query_positions(seq_len, num_queries, start=long_range).to(q.device)
-    qs = q.detach().float()[:, :, pos]  # (B, H, S, D)
-    kf = expand_kv(k.detach().float(), num_heads)
-    vf = expand_kv(v.detach().float(), num_heads)
-    scores = torch.matmul(qs, kf.transpose(-1, -2)) * scale  # (B, H, S, T)
+    if sampled is None:
+        sampled = sample_scores(q, k, num_queries=num_queries, start=long_range, scale=scale)
+    else:
+        sampled.check(seq_len, num_queries, long_range, scale)
+    pos = sampled.positions
+    vf = expand_kv(v.detach().float(), num_heads).contiguous()
     keys = torch.arange(seq_len, device=q.device)
     distance = pos[:, None] - keys[None, :]  # (S, T)
     visible = (pos + 1).float().expand(num_heads, -1)  # (H, S) keys each query may see
     if windows is None:
-        blocked = distance < 0
+        probs = sampled.causal_probs()
     else:
         if len(windows) != num_heads:
             raise ValueError(f"windows: need one per query head ({num_heads}), got {len(windows)}")
         w = torch.as_tensor(list(windows), dtype=torch.long, device=q.device).view(num_heads, 1, 1)
         blocked = (distance < 0) | (distance >= w)  # (H, S, T)
         visible = torch.minimum(visible, w.view(num_heads, 1).float())
-    scores = scores.masked_fill(blocked, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    plogp = torch.where(probs > 0, probs * probs.clamp_min(1e-30).log(), torch.zeros_like(probs))
+        probs = torch.softmax(_mask_scores(sampled.scores, blocked), dim=-1)
+    # p log p, 0 where p = 0 (there 0 * log(1e-30) is already 0); one scratch tensor serves twice.
+    scratch = probs.clamp_min(1e-30)
+    plogp_sum = scratch.log_().mul_(probs).sum(-1)
     log_keys = torch.where(visible > 1, visible.log(), torch.ones_like(visible))
-    entropy = torch.where(visible > 1, -plogp.sum(-1) / log_keys, torch.zeros_like(log_keys))
+    entropy = torch.where(visible > 1, -plogp_sum / log_keys, torch.zeros_like(log_keys))
     out_norm = torch.matmul(probs, vf).norm(dim=-1)
-    usage = (probs * (distance >= long_range)).sum(-1)
+    usage = torch.mul(probs, distance >= long_range, out=scratch).sum(-1)
     diag = torch.stack([entropy, out_norm, usage], dim=-1)  # (B, H, S, 3)
     return diag.mean(dim=(0, 2))

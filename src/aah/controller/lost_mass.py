@@ -20,8 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..backends.base import expand_kv
-from .features import sample_query_positions
+from .features import SampledScores, sample_scores
 
 __all__ = ["lost_mass", "lost_mass_from_probs"]
 
@@ -37,8 +36,12 @@ def lost_mass_from_probs(
     seq_len = probs.shape[-1]
     keys = torch.arange(seq_len, device=probs.device)
     distance = positions.to(probs.device)[:, None] - keys[None, :]  # (S, T)
-    past_sinks = keys[None, :] >= sink_tokens
-    out = [(probs * ((distance >= int(w)) & past_sinks).to(probs.dtype)).sum(-1).mean(-1) for w in windows]
+    past_sinks = (keys[None, :] >= sink_tokens).to(probs.dtype)
+    scratch = torch.empty_like(probs)  # one buffer for every window's masked rows
+    out = [
+        torch.mul(probs, (distance >= int(w)).to(probs.dtype) * past_sinks, out=scratch).sum(-1).mean(-1)
+        for w in windows
+    ]
     return torch.stack(out, dim=-1)
 
 
@@ -51,6 +54,7 @@ def lost_mass(
     num_queries: int = 32,
     start: int | None = None,
     scale: float | None = None,
+    sampled: SampledScores | None = None,
     sink_tokens: int = 0,
 ) -> torch.Tensor:
     """Lost mass per query head and window, shape (H, K), float32.
@@ -59,18 +63,19 @@ def lost_mass(
     repeats KV heads as the backends do). Queries are sampled as for
     ``usage``: ``num_queries`` evenly spaced positions from ``start``
     (default: the smallest window, so each sampled query can lose mass) to
-    the last position. Mass on the ``sink_tokens`` first keys is not lost (they stay visible).
+    the last position. ``sampled`` passes the scores
+    :func:`~aah.controller.features.sample_scores` computed for those queries
+    (a control update shares them with the diagnostics). Mass on the
+    ``sink_tokens`` first keys is not lost (they stay visible).
     """
     if not windows:
         raise ValueError("windows must name at least one window")
-    b, num_heads, seq_len, dim = q.shape
+    seq_len, dim = q.shape[2], q.shape[3]
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
     first = min(int(w) for w in windows) if start is None else start
-    pos = sample_query_positions(seq_len, num_queries, start=first).to(q.device)
-    qs = q.detach().float()[:, :, pos]  # (B, H, S, D)
-    kf = expand_kv(k.detach().float(), num_heads)
-    scores = torch.matmul(qs, kf.transpose(-1, -2)) * scale  # (B, H, S, T)
-    keys = torch.arange(seq_len, device=q.device)
-    scores = scores.masked_fill(pos[:, None] < keys[None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return lost_mass_from_probs(probs, pos, windows, sink_tokens=sink_tokens).mean(dim=0).float()
+    if sampled is None:
+        sampled = sample_scores(q, k, num_queries=num_queries, start=first, scale=scale)
+    else:
+        sampled.check(seq_len, num_queries, first, scale)
+    probs = sampled.causal_probs()
+    return lost_mass_from_probs(probs, sampled.positions, windows, sink_tokens=sink_tokens).mean(dim=0).float()
