@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..windows import window_tuple
+from ..windows import check_sink_tokens, window_tuple
 from .base import AttentionBackend, BackendUnavailable, expand_kv
 
 __all__ = [
@@ -144,23 +144,33 @@ def attend(
     *,
     backend: str = "dense",
     scale: float | None = None,
+    sink_tokens: int = 0,
 ) -> torch.Tensor:
     """Causal local attention with one window per query head.
 
     ``q`` is (B, H, T, D); ``k`` and ``v`` are (B, H_kv, T, D) with ``H``
     divisible by ``H_kv`` (grouped-query attention). ``windows`` holds ``H``
-    positive integers: query ``i`` of head ``h`` sees keys ``i - W_h < j <= i``.
-    Returns (B, H, T, D).
+    positive integers: query ``i`` of head ``h`` sees keys ``i - W_h < j <= i``,
+    and with ``sink_tokens = S`` also the sinks ``j < S, j <= i`` (the
+    convention of :mod:`aah.windows`). Returns (B, H, T, D).
     """
     _check_qkv(q, k, v)
     wins = window_tuple(windows, num_heads=q.shape[1])
+    sinks = check_sink_tokens(sink_tokens)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     needs_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     name = resolve_backend(backend, q.device, needs_backward=needs_backward)
-    return _REGISTRY[name].attend(q, k, v, wins, float(scale))
+    if not sinks:
+        return _REGISTRY[name].attend(q, k, v, wins, float(scale))
+    return _REGISTRY[name].attend(q, k, v, wins, float(scale), sink_tokens=sinks)
 
 
-def executed_coverage(backend: str, windows: torch.Tensor | Sequence[int], seq_len: int) -> float:
-    """The fraction of causal-triangle score work ``backend`` computes for these windows."""
-    return get_backend(backend).executed_coverage(window_tuple(windows), seq_len)
+def executed_coverage(
+    backend: str, windows: torch.Tensor | Sequence[int], seq_len: int, *, sink_tokens: int = 0
+) -> float:
+    """The fraction of causal-triangle score work ``backend`` computes for these windows (and sinks)."""
+    sinks = check_sink_tokens(sink_tokens)
+    if not sinks:
+        return get_backend(backend).executed_coverage(window_tuple(windows), seq_len)
+    return get_backend(backend).executed_coverage(window_tuple(windows), seq_len, sink_tokens=sinks)
