@@ -16,12 +16,14 @@ import torch
 
 from ..windows import check_sink_tokens, window_tuple
 from .base import AttentionBackend, BackendUnavailable, expand_kv
+from .sinks import sink_span
 
 __all__ = [
     "AttentionBackend",
     "BackendUnavailable",
     "attend",
     "backend_names",
+    "backend_takes_sinks",
     "executed_coverage",
     "expand_kv",
     "get_backend",
@@ -116,6 +118,15 @@ def resolve_backend(name: str, device: torch.device | str, *, needs_backward: bo
             f"(under torch.no_grad()) or pick another backend"
         )
     return name
+
+
+def backend_takes_sinks(name: str, windows: Sequence[int], seq_len: int, sink_tokens: int) -> bool:
+    """Whether backend ``name`` runs these windows with ``sink_tokens`` (``auto`` always does:
+    it leaves out the backends that cannot). Sinks that every window already covers change
+    nothing, so any backend takes them."""
+    if name == "auto" or not any(sink_span(int(w), seq_len, sink_tokens) for w in windows):
+        return True
+    return get_backend(name).supports_sink_tokens
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -45,7 +45,6 @@ __all__ = ["AutoBackend", "auto_choices", "auto_label", "cache_path", "candidate
 
 _CANDIDATES = {"cpu": ("strips", "banded"), "cuda": ("flash", "flex", "banded")}
 _LOW_PRECISION_ONLY = {"flash"}
-_NO_SINKS = {"flash"}
 _WARMUP = 1
 _ROUNDS = 3
 
@@ -84,7 +83,7 @@ def candidates(
 
     names = list(_CANDIDATES.get(device.type, ("banded",)))
     if any(sink_span(w, seq_len, sink_tokens) for w in windows):
-        names = [n for n in names if n not in _NO_SINKS]
+        names = [n for n in names if get_backend(n).supports_sink_tokens]
     if all(w >= seq_len for w in windows):
         names.append("sdpa")
     out = []

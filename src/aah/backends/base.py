@@ -24,6 +24,8 @@ class AttentionBackend:
 
     name: str = ""
     description: str = ""
+    #: Whether ``attend`` runs ``sink_tokens > 0`` (a backend without raises ``BackendUnavailable``).
+    supports_sink_tokens: bool = True
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         """``None`` when the backend can run on ``device``, else a sentence saying why not."""

@@ -46,6 +46,7 @@ def _flash_attn_func():
 
 class FlashBackend(AttentionBackend):
     name = "flash"
+    supports_sink_tokens = False
     description = (
         "flash-attn sliding-window kernel (window_size=(W-1, 0)) per window group; "
         "CUDA, float16/bfloat16"
