@@ -286,3 +286,26 @@ def test_flash_cuda_refuses_sinks():
     q, k, v = _qkv(1, 4, 2, 300, 64, dtype=torch.bfloat16, device="cuda")
     with pytest.raises(BackendUnavailable, match="backend 'flash' does not support sink_tokens"):
         aah.attend(q, k, v, [1, 100, 300, 64], backend="flash", sink_tokens=4)
+
+
+# ---------------------------------------------------------------- benchmark
+
+
+def test_bench_attention_with_sinks_counts_them(capsys):
+    from aah.bench.attention import bench_attention
+    from aah.cli import main
+
+    result = bench_attention(
+        seq_len=64, heads=4, backends=["banded", "strips"], sink_tokens=4, repeats=1, warmup=0, device="cpu"
+    )
+    assert result["config"]["sink_tokens"] == 4
+    rows = {row["backend"]: row for row in result["results"]}
+    wins = result["config"]["windows"]
+    assert rows["banded"]["causal_coverage"] == pytest.approx(causal_coverage(wins, 64, sink_tokens=4))
+    assert rows["strips"]["executed_coverage"] == pytest.approx(executed_coverage("strips", wins, 64, sink_tokens=4))
+    assert rows["sdpa"]["causal_coverage"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="--sink-tokens"):
+        bench_attention(seq_len=64, heads=4, backends=["banded"], sink_tokens=-1, device="cpu")
+    assert main(["bench", "attention", "--seq-len", "64", "--heads", "4", "--backends", "banded",
+                 "--repeats", "1", "--warmup", "0", "--device", "cpu", "--sink-tokens", "4"]) == 0
+    assert "4 sink tokens" in capsys.readouterr().out
