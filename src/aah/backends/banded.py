@@ -421,13 +421,16 @@ def _softmax_keeping_lse(scores: torch.Tensor, lse_u: torch.Tensor, st: _Step) -
     """Softmax of a step's scores that also writes the rows' log-sum-exp into ``lse_u`` (r, T, 1)."""
     lse_b = torch.logsumexp(scores.to(lse_u.dtype), dim=-1, keepdim=True)
     _put_rows(lse_u, st.q_lo, st.count, st.rows, lse_b)
-    return torch.exp(scores.to(lse_b.dtype) - lse_b).to(scores.dtype)
+    return torch.softmax(scores, dim=-1)
 
 
 def _probs_from_lse(scores: torch.Tensor, lse_u: torch.Tensor, st: _Step) -> torch.Tensor:
-    """A step's probabilities ``exp(scores - L)`` under the merged log-sum-exp ``L`` of its rows."""
+    """A step's probabilities ``exp(scores - L)`` under the merged log-sum-exp ``L`` of its rows
+    (in place in ``scores`` unless it is half precision)."""
     lse_b = _rows_of(lse_u, st.q_lo, st.count, st.rows)
-    return torch.exp(scores.to(lse_b.dtype) - lse_b).to(scores.dtype)
+    if scores.dtype == lse_b.dtype:
+        return scores.sub_(lse_b).exp_()
+    return (scores.to(lse_b.dtype) - lse_b).exp_().to(scores.dtype)
 
 
 def _merge_unit_sinks(
