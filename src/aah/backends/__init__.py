@@ -1,7 +1,9 @@
 """Attention execution: a registry of backends by name and the ``attend`` entry point.
 
 Every backend computes the same function, local causal attention with one
-window per head (:mod:`aah.windows`), and is tested against ``dense``.
+window per head (:mod:`aah.windows`), optionally with sink tokens (the first
+``S`` keys stay visible; :mod:`aah.backends.sinks`), and is tested against
+``dense``.
 Backends register themselves with :func:`register_backend`; callers only name
 them, so new backends need no change anywhere else.
 """
