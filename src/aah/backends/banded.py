@@ -34,9 +34,10 @@ How it works
 * Sinks (``sink_tokens = S > 0``): the forward also keeps each row's
   log-sum-exp, then merges the sinks that rows ``i >= W`` miss (one small
   ``(T - W) x S'`` block, ``S' = min(S, T - W)``) into the output by
-  log-sum-exp; the backward recomputes the band probabilities against the
-  merged log-sum-exp and adds the sink block's gradients
-  (:mod:`aah.backends.sinks`). ``S = 0`` runs the plain softmax path.
+  log-sum-exp; the backward recomputes the band's own softmax, scales it by
+  the band's share ``e^(L_w - L)`` of each row (the merged probabilities) and
+  adds the sink block's gradients (:mod:`aah.backends.sinks`). ``S = 0`` runs
+  the plain path.
 
 Block size (:func:`block_size`): the band of a block is a parallelogram inside
 a ``block x (W + block - 1)`` rectangle, so the wasted fraction is about
@@ -317,8 +318,10 @@ class _BandedAttention(torch.autograd.Function):
     def forward(ctx, qg, kg, vg, window: int, block: int, scale: float, sinks: int):
         n, r, t, d = qg.shape
         out = torch.empty_like(qg)
-        # With sinks, each row's log-sum-exp (window part, then merged with the sinks).
+        # With sinks, each row's log-sum-exp (window part, then merged with the sinks) and the
+        # factor e^(L_w - L) that turns the band's own softmax into its merged probabilities.
         lse = torch.empty(n, r, t, 1, dtype=_acc_dtype(qg.dtype), device=qg.device) if sinks else None
+        band_share = torch.ones_like(lse) if sinks else None
         steps = _steps(band_plan(window, t, block), _MaskCache(window, r, qg.dtype, qg.device))
         zero = qg.new_zeros(1, 1, 1)  # ignored input of the beta=0 products (alpha applies the scale)
         for u in range(n):
@@ -336,14 +339,14 @@ class _BandedAttention(torch.autograd.Function):
                 else:
                     _put_rows(o_u, st.q_lo, st.count, st.rows, torch.bmm(probs, _values(v_u, st)))
             if lse is not None:
-                _merge_unit_sinks(q_u, k_u, v_u, o_u, lse[u], window, sinks, scale)
-        ctx.save_for_backward(qg, kg, vg, out, lse)
+                _merge_unit_sinks(q_u, k_u, v_u, o_u, lse[u], band_share[u], window, sinks, scale)
+        ctx.save_for_backward(qg, kg, vg, out, lse, band_share)
         ctx.window, ctx.block, ctx.scale, ctx.sinks = window, block, scale, sinks
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        qg, kg, vg, out, lse = ctx.saved_tensors
+        qg, kg, vg, out, lse, band_share = ctx.saved_tensors
         window, block, scale, sinks = ctx.window, ctx.block, ctx.scale, ctx.sinks
         n, r, t, d = qg.shape
         grad_out = grad_out.contiguous()
@@ -370,7 +373,7 @@ class _BandedAttention(torch.autograd.Function):
                 if lse is None:
                     probs = torch.softmax(scores, dim=-1)
                 else:
-                    probs = _probs_from_lse(scores, lse[u], st)
+                    probs = _merged_probs(scores, band_share[u], st)
                 dscores = torch.bmm(gb, _keys_t(v_u, st)).sub_(db).mul_(probs)  # softmax backward
                 # dQ = scale dS K.
                 if r == 1:
@@ -418,31 +421,39 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _softmax_keeping_lse(scores: torch.Tensor, lse_u: torch.Tensor, st: _Step) -> torch.Tensor:
-    """Softmax of a step's scores that also writes the rows' log-sum-exp into ``lse_u`` (r, T, 1)."""
-    lse_b = torch.logsumexp(scores.to(lse_u.dtype), dim=-1, keepdim=True)
+    """Softmax of a step's scores that also writes the rows' log-sum-exp into ``lse_u`` (r, T, 1).
+
+    ``L = max(s) - log(max(p))`` (the largest probability is ``e^(max(s) - L)``, at least
+    ``1 / keys``): two read-only reductions next to the fused softmax. Half-precision scores
+    take ``logsumexp`` in float32 instead.
+    """
+    probs = torch.softmax(scores, dim=-1)
+    if scores.dtype == lse_u.dtype:
+        lse_b = scores.amax(-1, keepdim=True) - probs.amax(-1, keepdim=True).log_()
+    else:
+        lse_b = torch.logsumexp(scores.to(lse_u.dtype), dim=-1, keepdim=True)
     _put_rows(lse_u, st.q_lo, st.count, st.rows, lse_b)
-    return torch.softmax(scores, dim=-1)
+    return probs
 
 
-def _probs_from_lse(scores: torch.Tensor, lse_u: torch.Tensor, st: _Step) -> torch.Tensor:
-    """A step's probabilities ``exp(scores - L)`` under the merged log-sum-exp ``L`` of its rows
-    (in place in ``scores`` unless it is half precision)."""
-    lse_b = _rows_of(lse_u, st.q_lo, st.count, st.rows)
-    if scores.dtype == lse_b.dtype:
-        return scores.sub_(lse_b).exp_()
-    return (scores.to(lse_b.dtype) - lse_b).exp_().to(scores.dtype)
+def _merged_probs(scores: torch.Tensor, share_u: torch.Tensor, st: _Step) -> torch.Tensor:
+    """A step's probabilities under the merged log-sum-exp ``L`` of its rows: the band's own
+    softmax times ``e^(L_w - L)`` (``share_u``, (r, T, 1))."""
+    share = _rows_of(share_u, st.q_lo, st.count, st.rows).to(scores.dtype)
+    return torch.softmax(scores, dim=-1).mul_(share)
 
 
 def _merge_unit_sinks(
     q_u: torch.Tensor, k_u: torch.Tensor, v_u: torch.Tensor, o_u: torch.Tensor, lse_u: torch.Tensor,
-    window: int, sinks: int, scale: float,
+    share_u: torch.Tensor, window: int, sinks: int, scale: float,
 ) -> None:
-    """Merge the sinks into rows ``[W, T)`` of one KV unit's output and log-sum-exp, in place."""
+    """Merge the sinks into rows ``[W, T)`` of one KV unit's output and log-sum-exp, in place,
+    and keep the band's share ``e^(L_w - L)`` of each row in ``share_u``."""
     tail = slice(window, q_u.shape[1])
-    out, lse = merge_sinks(
-        q_u[:, tail], k_u[:sinks], v_u[:sinks], scale, o_u[:, tail], lse_u[:, tail, 0]
-    )
+    lse_w = lse_u[:, tail, 0]
+    out, lse = merge_sinks(q_u[:, tail], k_u[:sinks], v_u[:sinks], scale, o_u[:, tail], lse_w)
     o_u[:, tail] = out
+    share_u[:, tail, 0] = torch.exp(lse_w - lse)
     lse_u[:, tail, 0] = lse
 
 
