@@ -34,10 +34,11 @@ How it works
 * Sinks (``sink_tokens = S > 0``): the forward also keeps each row's
   log-sum-exp, then merges the sinks that rows ``i >= W`` miss (one small
   ``(T - W) x S'`` block, ``S' = min(S, T - W)``) into the output by
-  log-sum-exp; the backward recomputes the band's own softmax, scales it by
-  the band's share ``e^(L_w - L)`` of each row (the merged probabilities) and
-  adds the sink block's gradients (:mod:`aah.backends.sinks`). ``S = 0`` runs
-  the plain path.
+  log-sum-exp; the merged probabilities of the band are its own softmax times
+  its share ``e^(L_w - L)`` of the row, so the backward scales ``dO`` and
+  ``delta`` by that share and runs the band loop unchanged, then adds the sink
+  block's gradients (:mod:`aah.backends.sinks`). ``S = 0`` runs the plain
+  path.
 
 Block size (:func:`block_size`): the band of a block is a parallelogram inside
 a ``block x (W + block - 1)`` rectangle, so the wasted fraction is about
@@ -364,16 +365,19 @@ class _BandedAttention(torch.autograd.Function):
         for u in range(n):
             q_u, k_u, v_u, g_u, d_u, dq_u = qg[u], kg[u], vg[u], grad_out[u], delta[u], dq[u]
             dk_u, dv_u = dk[u], dv[u]
+            if lse is not None:
+                # The merged probabilities of the band are its own softmax times its share
+                # e^(L_w - L) of the row; scaling dO and delta by it (rows x D, not rows x keys)
+                # leaves the band loop as it is without sinks.
+                share = band_share[u].to(qg.dtype)
+                g_u, d_u = grad_out[u] * share, delta[u] * share
             for st in steps:
                 k_t = _keys_t(k_u, st)
                 qb = _rows_of(q_u, st.q_lo, st.count, st.rows)
                 gb = _rows_of(g_u, st.q_lo, st.count, st.rows)
                 db = _rows_of(d_u, st.q_lo, st.count, st.rows)
                 scores = _masked(torch.baddbmm(zero, qb, k_t, beta=0, alpha=scale), st)
-                if lse is None:
-                    probs = torch.softmax(scores, dim=-1)
-                else:
-                    probs = _merged_probs(scores, band_share[u], st)
+                probs = torch.softmax(scores, dim=-1)
                 dscores = torch.bmm(gb, _keys_t(v_u, st)).sub_(db).mul_(probs)  # softmax backward
                 # dQ = scale dS K.
                 if r == 1:
@@ -407,7 +411,7 @@ class _BandedAttention(torch.autograd.Function):
                 tail = slice(window, t)
                 dq_s, dk_s, dv_s = sink_backward(
                     q_u[:, tail], k_u[:sinks], v_u[:sinks], scale, out[u][:, tail], lse[u][:, tail, 0],
-                    g_u[:, tail],
+                    grad_out[u][:, tail],
                 )
                 dq_u[:, tail] += dq_s.to(dq_u.dtype)
                 dk_u[:sinks] += dk_s.sum(0).to(acc_dtype)
@@ -434,13 +438,6 @@ def _softmax_keeping_lse(scores: torch.Tensor, lse_u: torch.Tensor, st: _Step) -
         lse_b = torch.logsumexp(scores.to(lse_u.dtype), dim=-1, keepdim=True)
     _put_rows(lse_u, st.q_lo, st.count, st.rows, lse_b)
     return probs
-
-
-def _merged_probs(scores: torch.Tensor, share_u: torch.Tensor, st: _Step) -> torch.Tensor:
-    """A step's probabilities under the merged log-sum-exp ``L`` of its rows: the band's own
-    softmax times ``e^(L_w - L)`` (``share_u``, (r, T, 1))."""
-    share = _rows_of(share_u, st.q_lo, st.count, st.rows).to(scores.dtype)
-    return torch.softmax(scores, dim=-1).mul_(share)
 
 
 def _merge_unit_sinks(

@@ -76,7 +76,7 @@ def band_tiles(
     k_hi = torch.clamp(starts + block, max=seq_len)[None, :] - 1
     any_allowed = (k_lo <= q_hi) & (k_hi > q_lo - window)
     padded = (starts + block > seq_len)
-    outside = k_lo > q_hi - window  # no pair of the tile is too far back for the window
+    outside = k_lo > q_hi - window  # every pair of the tile is inside the window (or a sink, below)
     if sink_tokens:
         any_allowed |= (k_lo < sink_tokens) & (k_lo <= q_hi)
         # Too-far-back keys k_lo .. min(k_hi, q_hi - W) of the last row must all be sinks.
