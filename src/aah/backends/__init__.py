@@ -1,7 +1,9 @@
 """Attention execution: a registry of backends by name and the ``attend`` entry point.
 
 Every backend computes the same function, local causal attention with one
-window per head (:mod:`aah.windows`), and is tested against ``dense``.
+window per head (:mod:`aah.windows`), optionally with sink tokens (the first
+``S`` keys stay visible; :mod:`aah.backends.sinks`), and is tested against
+``dense``.
 Backends register themselves with :func:`register_backend`; callers only name
 them, so new backends need no change anywhere else.
 """
@@ -14,14 +16,16 @@ from collections.abc import Sequence
 
 import torch
 
-from ..windows import window_tuple
+from ..windows import check_sink_tokens, window_tuple
 from .base import AttentionBackend, BackendUnavailable, expand_kv
+from .sinks import sink_span
 
 __all__ = [
     "AttentionBackend",
     "BackendUnavailable",
     "attend",
     "backend_names",
+    "backend_takes_sinks",
     "executed_coverage",
     "expand_kv",
     "get_backend",
@@ -118,6 +122,15 @@ def resolve_backend(name: str, device: torch.device | str, *, needs_backward: bo
     return name
 
 
+def backend_takes_sinks(name: str, windows: Sequence[int], seq_len: int, sink_tokens: int) -> bool:
+    """Whether backend ``name`` runs these windows with ``sink_tokens`` (``auto`` always does:
+    it leaves out the backends that cannot). Sinks that every window already covers change
+    nothing, so any backend takes them."""
+    if name == "auto" or not any(sink_span(int(w), seq_len, sink_tokens) for w in windows):
+        return True
+    return get_backend(name).supports_sink_tokens
+
+
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     for label, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
@@ -144,23 +157,33 @@ def attend(
     *,
     backend: str = "dense",
     scale: float | None = None,
+    sink_tokens: int = 0,
 ) -> torch.Tensor:
     """Causal local attention with one window per query head.
 
     ``q`` is (B, H, T, D); ``k`` and ``v`` are (B, H_kv, T, D) with ``H``
     divisible by ``H_kv`` (grouped-query attention). ``windows`` holds ``H``
-    positive integers: query ``i`` of head ``h`` sees keys ``i - W_h < j <= i``.
-    Returns (B, H, T, D).
+    positive integers: query ``i`` of head ``h`` sees keys ``i - W_h < j <= i``,
+    and with ``sink_tokens = S`` also the sinks ``j < S, j <= i`` (the
+    convention of :mod:`aah.windows`). Returns (B, H, T, D).
     """
     _check_qkv(q, k, v)
     wins = window_tuple(windows, num_heads=q.shape[1])
+    sinks = check_sink_tokens(sink_tokens)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     needs_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     name = resolve_backend(backend, q.device, needs_backward=needs_backward)
-    return _REGISTRY[name].attend(q, k, v, wins, float(scale))
+    if not sinks:
+        return _REGISTRY[name].attend(q, k, v, wins, float(scale))
+    return _REGISTRY[name].attend(q, k, v, wins, float(scale), sink_tokens=sinks)
 
 
-def executed_coverage(backend: str, windows: torch.Tensor | Sequence[int], seq_len: int) -> float:
-    """The fraction of causal-triangle score work ``backend`` computes for these windows."""
-    return get_backend(backend).executed_coverage(window_tuple(windows), seq_len)
+def executed_coverage(
+    backend: str, windows: torch.Tensor | Sequence[int], seq_len: int, *, sink_tokens: int = 0
+) -> float:
+    """The fraction of causal-triangle score work ``backend`` computes for these windows (and sinks)."""
+    sinks = check_sink_tokens(sink_tokens)
+    if not sinks:
+        return get_backend(backend).executed_coverage(window_tuple(windows), seq_len)
+    return get_backend(backend).executed_coverage(window_tuple(windows), seq_len, sink_tokens=sinks)

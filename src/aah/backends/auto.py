@@ -11,10 +11,14 @@ once.
 
 * Candidates: ``strips`` and ``banded`` on CPU; ``flash``, ``flex`` and
   ``banded`` on CUDA; plus ``sdpa`` when every window covers the sequence.
-  Only backends that can run the request (device, dtype, backward) compete.
+  Only backends that can run the request (device, dtype, backward, sinks)
+  compete; with sink tokens that some window misses ``flash`` is left out (it
+  does not support them).
 * Shape key: device, dtype, batch, heads, KV heads, length, head dim, the set
-  of distinct windows (clamped to the length), and whether a backward pass is
-  needed; the disk entry adds the host name, thread count and torch version.
+  of distinct windows (clamped to the length), the sink tokens (only when
+  ``S > 0``: keys without sinks are those of before), and whether a backward
+  pass is needed; the disk entry adds the host name, thread count and torch
+  version.
 * Cache file: ``$AAH_CACHE_DIR/backend_choices.json``, by default
   ``~/.cache/aah/backend_choices.json``. ``AAH_AUTO_CALIBRATE=0`` skips the
   timing and takes the first candidate of the list above.
@@ -35,6 +39,7 @@ from pathlib import Path
 import torch
 
 from .base import AttentionBackend, BackendUnavailable
+from .sinks import sink_span
 
 __all__ = ["AutoBackend", "auto_choices", "auto_label", "cache_path", "candidates", "shape_key"]
 
@@ -53,13 +58,16 @@ def cache_path() -> Path:
     return Path(root) / "backend_choices.json"
 
 
-def shape_key(q: torch.Tensor, k: torch.Tensor, windows: tuple[int, ...], needs_backward: bool) -> str:
-    """The key of a request: device, dtype, B, H, H_kv, T, D, window set, direction."""
+def shape_key(
+    q: torch.Tensor, k: torch.Tensor, windows: tuple[int, ...], needs_backward: bool, sink_tokens: int = 0
+) -> str:
+    """The key of a request: device, dtype, B, H, H_kv, T, D, window set, sinks (if any), direction."""
     b, h, t, d = q.shape
     wins = ",".join(str(w) for w in sorted({min(w, t) for w in windows}))
     direction = "fwd+bwd" if needs_backward else "fwd"
     dtype = str(q.dtype).replace("torch.", "")
-    return f"{q.device.type}|{dtype}|B{b}|H{h}|KV{k.shape[1]}|T{t}|D{d}|W{wins}|{direction}"
+    sinks = f"|S{sink_tokens}" if sink_tokens else ""
+    return f"{q.device.type}|{dtype}|B{b}|H{h}|KV{k.shape[1]}|T{t}|D{d}|W{wins}{sinks}|{direction}"
 
 
 def _machine_key(key: str) -> str:
@@ -67,12 +75,15 @@ def _machine_key(key: str) -> str:
 
 
 def candidates(
-    device: torch.device, dtype: torch.dtype, windows: tuple[int, ...], seq_len: int, needs_backward: bool
+    device: torch.device, dtype: torch.dtype, windows: tuple[int, ...], seq_len: int, needs_backward: bool,
+    sink_tokens: int = 0,
 ) -> list[str]:
     """Exact windowed backends that can run this request, in preference order."""
     from . import get_backend
 
     names = list(_CANDIDATES.get(device.type, ("banded",)))
+    if any(sink_span(w, seq_len, sink_tokens) for w in windows):
+        names = [n for n in names if get_backend(n).supports_sink_tokens]
     if all(w >= seq_len for w in windows):
         names.append("sdpa")
     out = []
@@ -115,7 +126,7 @@ def _save_disk(key: str, entry: dict) -> None:
 
 def _calibrate(
     names: list[str], q: torch.Tensor, k: torch.Tensor, windows: tuple[int, ...], scale: float,
-    needs_backward: bool,
+    needs_backward: bool, sink_tokens: int = 0,
 ) -> tuple[str, dict[str, float]]:
     """Time ``names`` on random inputs of this shape, interleaved; the fastest and the medians."""
     from . import get_backend
@@ -130,15 +141,16 @@ def _calibrate(
 
     def make(name: str) -> Callable[[], None]:
         backend = get_backend(name)
+        extra = {"sink_tokens": sink_tokens} if sink_tokens else {}
 
         def call() -> None:
             if needs_backward:
                 with torch.enable_grad():
-                    out = backend.attend(q_c, k_c, v_c, windows, scale)
+                    out = backend.attend(q_c, k_c, v_c, windows, scale, **extra)
                     torch.autograd.grad(out, (q_c, k_c, v_c), grad)
             else:
                 with torch.no_grad():
-                    backend.attend(q_c, k_c, v_c, windows, scale)
+                    backend.attend(q_c, k_c, v_c, windows, scale, **extra)
             sync()
 
         return call
@@ -167,14 +179,15 @@ def _calibrate(
 
 
 def choose(
-    q: torch.Tensor, k: torch.Tensor, windows: tuple[int, ...], scale: float, needs_backward: bool
+    q: torch.Tensor, k: torch.Tensor, windows: tuple[int, ...], scale: float, needs_backward: bool,
+    sink_tokens: int = 0,
 ) -> str:
     """The backend ``auto`` runs for this request: cached, or calibrated now."""
-    key = shape_key(q, k, windows, needs_backward)
+    key = shape_key(q, k, windows, needs_backward, sink_tokens)
     name = _choices.get(key)
     if name is not None:
         return name
-    names = candidates(q.device, q.dtype, windows, q.shape[2], needs_backward)
+    names = candidates(q.device, q.dtype, windows, q.shape[2], needs_backward, sink_tokens)
     if not names:
         name = "dense"
     elif len(names) == 1 or os.environ.get("AAH_AUTO_CALIBRATE", "1") == "0":
@@ -184,7 +197,7 @@ def choose(
         if isinstance(entry, dict) and entry.get("backend") in names:
             name = entry["backend"]
         else:
-            name, medians = _calibrate(names, q, k, windows, scale, needs_backward)
+            name, medians = _calibrate(names, q, k, windows, scale, needs_backward, sink_tokens)
             _save_disk(_machine_key(key), {
                 "backend": name, "median_ms": {n: round(t * 1e3, 3) for n, t in medians.items()},
                 "calibrated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -229,22 +242,29 @@ class AutoBackend(AttentionBackend):
         return bool(candidates(device, torch.float16, (1,), 2, True)
                     or candidates(device, torch.float32, (1,), 2, True))
 
-    def attend(self, q, k, v, windows, scale):
+    def attend(self, q, k, v, windows, scale, sink_tokens=0):
         from . import get_backend
 
         needs_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-        name = choose(q, k, windows, scale, needs_backward)
-        return get_backend(name).attend(q, k, v, windows, scale)
+        name = choose(q, k, windows, scale, needs_backward, sink_tokens)
+        if not sink_tokens:
+            return get_backend(name).attend(q, k, v, windows, scale)
+        return get_backend(name).attend(q, k, v, windows, scale, sink_tokens=sink_tokens)
 
-    def executed_coverage(self, windows, seq_len):
-        """Coverage of the backend chosen for these windows at ``seq_len`` (the latest such
-        choice of this process), else of the first CPU candidate."""
+    def executed_coverage(self, windows, seq_len, sink_tokens=0):
+        """Coverage of the backend chosen for these windows (and sinks) at ``seq_len`` (the
+        latest such choice of this process), else of the first CPU candidate."""
         from . import get_backend
 
         wins = "W" + ",".join(str(w) for w in sorted({min(w, seq_len) for w in windows}))
+        sinks = f"S{sink_tokens}"
         name = None
         for key, chosen in _choices.items():
             parts = key.split("|")
-            if f"T{seq_len}" in parts and wins in parts:
+            has_sinks = sinks in parts if sink_tokens else not any(p.startswith("S") for p in parts)
+            if f"T{seq_len}" in parts and wins in parts and has_sinks:
                 name = chosen
-        return get_backend(name or _CANDIDATES["cpu"][0]).executed_coverage(windows, seq_len)
+        backend = get_backend(name or _CANDIDATES["cpu"][0])
+        if not sink_tokens:
+            return backend.executed_coverage(windows, seq_len)
+        return backend.executed_coverage(windows, seq_len, sink_tokens=sink_tokens)

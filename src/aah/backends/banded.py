@@ -31,6 +31,14 @@ How it works
   expanded (when every KV head in a group serves the same number of query
   heads, the usual case; otherwise the group gathers one KV head per query
   head).
+* Sinks (``sink_tokens = S > 0``): the forward also keeps each row's
+  log-sum-exp, then merges the sinks that rows ``i >= W`` miss (one small
+  ``(T - W) x S'`` block, ``S' = min(S, T - W)``) into the output by
+  log-sum-exp; the merged probabilities of the band are its own softmax times
+  its share ``e^(L_w - L)`` of the row, so the backward scales ``dO`` and
+  ``delta`` by that share and runs the band loop unchanged, then adds the sink
+  block's gradients (:mod:`aah.backends.sinks`). ``S = 0`` runs the plain
+  path.
 
 Block size (:func:`block_size`): the band of a block is a parallelogram inside
 a ``block x (W + block - 1)`` rectangle, so the wasted fraction is about
@@ -43,8 +51,8 @@ waste).
 
 Executed coverage (:meth:`BandedBackend.executed_coverage`) counts the score
 entries of the rectangles the plan really multiplies (:func:`band_plan`), over
-the causal triangle ``T (T + 1) / 2``; heads on the SDPA path count as exactly
-their triangle (1.0).
+the causal triangle ``T (T + 1) / 2``, plus ``(T - W) S'`` sink entries; heads
+on the SDPA path count as exactly their triangle (1.0).
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ import torch
 
 from .base import AttentionBackend
 from .sdpa import causal_sdpa
+from .sinks import merge_sinks, sink_backward, sink_span
 
 __all__ = [
     "BandedBackend",
@@ -307,9 +316,13 @@ class _BandedAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, qg, kg, vg, window: int, block: int, scale: float):
+    def forward(ctx, qg, kg, vg, window: int, block: int, scale: float, sinks: int):
         n, r, t, d = qg.shape
         out = torch.empty_like(qg)
+        # With sinks, each row's log-sum-exp (window part, then merged with the sinks) and the
+        # factor e^(L_w - L) that turns the band's own softmax into its merged probabilities.
+        lse = torch.empty(n, r, t, 1, dtype=_acc_dtype(qg.dtype), device=qg.device) if sinks else None
+        band_share = torch.ones_like(lse) if sinks else None
         steps = _steps(band_plan(window, t, block), _MaskCache(window, r, qg.dtype, qg.device))
         zero = qg.new_zeros(1, 1, 1)  # ignored input of the beta=0 products (alpha applies the scale)
         for u in range(n):
@@ -317,20 +330,25 @@ class _BandedAttention(torch.autograd.Function):
             for st in steps:
                 qb = _rows_of(q_u, st.q_lo, st.count, st.rows)
                 scores = _masked(torch.baddbmm(zero, qb, _keys_t(k_u, st), beta=0, alpha=scale), st)
-                probs = torch.softmax(scores, dim=-1)
+                if lse is None:
+                    probs = torch.softmax(scores, dim=-1)
+                else:
+                    probs = _softmax_keeping_lse(scores, lse[u], st)
                 if r == 1:
                     dst = o_u[0, st.q_lo : st.q_hi].view(st.count, st.rows, d)
                     torch.bmm(probs, _values(v_u, st), out=dst)
                 else:
                     _put_rows(o_u, st.q_lo, st.count, st.rows, torch.bmm(probs, _values(v_u, st)))
-        ctx.save_for_backward(qg, kg, vg, out)
-        ctx.window, ctx.block, ctx.scale = window, block, scale
+            if lse is not None:
+                _merge_unit_sinks(q_u, k_u, v_u, o_u, lse[u], band_share[u], window, sinks, scale)
+        ctx.save_for_backward(qg, kg, vg, out, lse, band_share)
+        ctx.window, ctx.block, ctx.scale, ctx.sinks = window, block, scale, sinks
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        qg, kg, vg, out = ctx.saved_tensors
-        window, block, scale = ctx.window, ctx.block, ctx.scale
+        qg, kg, vg, out, lse, band_share = ctx.saved_tensors
+        window, block, scale, sinks = ctx.window, ctx.block, ctx.scale, ctx.sinks
         n, r, t, d = qg.shape
         grad_out = grad_out.contiguous()
         low_precision = qg.dtype in (torch.float16, torch.bfloat16)
@@ -347,6 +365,12 @@ class _BandedAttention(torch.autograd.Function):
         for u in range(n):
             q_u, k_u, v_u, g_u, d_u, dq_u = qg[u], kg[u], vg[u], grad_out[u], delta[u], dq[u]
             dk_u, dv_u = dk[u], dv[u]
+            if lse is not None:
+                # The merged probabilities of the band are its own softmax times its share
+                # e^(L_w - L) of the row; scaling dO and delta by it (rows x D, not rows x keys)
+                # leaves the band loop as it is without sinks.
+                share = band_share[u].to(qg.dtype)
+                g_u, d_u = grad_out[u] * share, delta[u] * share
             for st in steps:
                 k_t = _keys_t(k_u, st)
                 qb = _rows_of(q_u, st.q_lo, st.count, st.rows)
@@ -383,17 +407,69 @@ class _BandedAttention(torch.autograd.Function):
                     dk_w = torch.baddbmm(zero, dscores.transpose(1, 2), qb, beta=0, alpha=scale).view(-1, d)
                     dv_u[st.k_lo : st.k_hi].index_add_(0, index, dv_w.to(acc_dtype))
                     dk_u[st.k_lo : st.k_hi].index_add_(0, index, dk_w.to(acc_dtype))
+            if lse is not None:
+                tail = slice(window, t)
+                dq_s, dk_s, dv_s = sink_backward(
+                    q_u[:, tail], k_u[:sinks], v_u[:sinks], scale, out[u][:, tail], lse[u][:, tail, 0],
+                    grad_out[u][:, tail],
+                )
+                dq_u[:, tail] += dq_s.to(dq_u.dtype)
+                dk_u[:sinks] += dk_s.sum(0).to(acc_dtype)
+                dv_u[:sinks] += dv_s.sum(0).to(acc_dtype)
         dtype = qg.dtype
-        return dq, dk.to(dtype), dv.to(dtype), None, None, None
+        return dq, dk.to(dtype), dv.to(dtype), None, None, None, None
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _softmax_keeping_lse(scores: torch.Tensor, lse_u: torch.Tensor, st: _Step) -> torch.Tensor:
+    """Softmax of a step's scores that also writes the rows' log-sum-exp into ``lse_u`` (r, T, 1).
+
+    ``L = max(s) - log(max(p))`` (the largest probability is ``e^(max(s) - L)``, at least
+    ``1 / keys``): two read-only reductions next to the fused softmax. Half-precision scores
+    take ``logsumexp`` in float32 instead.
+    """
+    probs = torch.softmax(scores, dim=-1)
+    if scores.dtype == lse_u.dtype:
+        lse_b = scores.amax(-1, keepdim=True) - probs.amax(-1, keepdim=True).log_()
+    else:
+        lse_b = torch.logsumexp(scores.to(lse_u.dtype), dim=-1, keepdim=True)
+    _put_rows(lse_u, st.q_lo, st.count, st.rows, lse_b)
+    return probs
+
+
+def _merge_unit_sinks(
+    q_u: torch.Tensor, k_u: torch.Tensor, v_u: torch.Tensor, o_u: torch.Tensor, lse_u: torch.Tensor,
+    share_u: torch.Tensor, window: int, sinks: int, scale: float,
+) -> None:
+    """Merge the sinks into rows ``[W, T)`` of one KV unit's output and log-sum-exp, in place,
+    and keep the band's share ``e^(L_w - L)`` of each row in ``share_u``."""
+    tail = slice(window, q_u.shape[1])
+    lse_w = lse_u[:, tail, 0]
+    out, lse = merge_sinks(q_u[:, tail], k_u[:sinks], v_u[:sinks], scale, o_u[:, tail], lse_w)
+    o_u[:, tail] = out
+    share_u[:, tail, 0] = torch.exp(lse_w - lse)
+    lse_u[:, tail, 0] = lse
 
 
 def banded_group_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float, block: int | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int,
+    scale: float,
+    block: int | None = None,
+    *,
+    sink_tokens: int = 0,
 ) -> torch.Tensor:
     """Local causal attention with one ``window`` for all heads of ``q`` (B, H, T, D).
 
     ``k`` and ``v`` are (B, H_kv, T, D) with ``H`` divisible by ``H_kv``; the
     ``r = H // H_kv`` query heads of each KV head are stacked, not expanded.
+    With ``sink_tokens`` the rows ``i >= W`` also see the sinks their window
+    misses, merged by log-sum-exp (:mod:`aah.backends.sinks`).
     """
     b, h, t, d = q.shape
     h_kv = k.shape[1]
@@ -402,7 +478,8 @@ def banded_group_attention(
     qg = q.reshape(b * h_kv, h // h_kv, t, d)
     kg = k.reshape(b * h_kv, t, d).contiguous()
     vg = v.reshape(b * h_kv, t, d).contiguous()
-    return _BandedAttention.apply(qg, kg, vg, window, block, scale).reshape(b, h, t, d)
+    sinks = sink_span(window, t, sink_tokens)
+    return _BandedAttention.apply(qg, kg, vg, window, block, scale, sinks).reshape(b, h, t, d)
 
 
 class BandedBackend(AttentionBackend):
@@ -412,17 +489,17 @@ class BandedBackend(AttentionBackend):
         "(custom autograd, plain PyTorch, CPU and GPU); full windows use causal SDPA"
     )
 
-    def attend(self, q, k, v, windows, scale):
+    def attend(self, q, k, v, windows, scale, sink_tokens=0):
         full = sum(1 for w in windows if w >= q.shape[2])
 
         def run(q_g, k_g, v_g, w, scale):
             if w >= q.shape[2] and _full_heads_use_sdpa(full):
                 return causal_sdpa(q_g, k_g, v_g, scale)
-            return banded_group_attention(q_g, k_g, v_g, w, scale)
+            return banded_group_attention(q_g, k_g, v_g, w, scale, sink_tokens=sink_tokens)
 
         return grouped_attention(q, k, v, windows, scale, run)
 
-    def executed_coverage(self, windows, seq_len):
+    def executed_coverage(self, windows, seq_len, sink_tokens=0):
         t = seq_len
         triangle = t * (t + 1) / 2
         full = sum(1 for w in windows if w >= t)
@@ -432,7 +509,8 @@ class BandedBackend(AttentionBackend):
                 total += 1.0  # causal SDPA: the triangle
             else:
                 w = min(w, t)
-                total += planned_entries(w, t, block_size(w, t)) / triangle
+                sinks = (t - w) * sink_span(w, t, sink_tokens)
+                total += (planned_entries(w, t, block_size(w, t)) + sinks) / triangle
         return total / len(windows)
 
 

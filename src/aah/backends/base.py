@@ -3,7 +3,9 @@
 A backend receives validated inputs: ``q`` of shape (B, H, T, D), ``k`` and
 ``v`` of shape (B, H_kv, T, D) with ``H % H_kv == 0`` (query head ``h`` reads
 KV head ``h // (H // H_kv)``), ``windows`` as a tuple of ``H`` positive Python
-ints in the convention of :mod:`aah.windows`, and the softmax ``scale``.
+ints in the convention of :mod:`aah.windows`, the softmax ``scale`` and, as a
+keyword only when it is not 0, ``sink_tokens``: the first ``S`` keys stay
+visible to every later query (validated, an int ``>= 0``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ class AttentionBackend:
 
     name: str = ""
     description: str = ""
+    #: Whether ``attend`` runs ``sink_tokens > 0`` (a backend without raises ``BackendUnavailable``).
+    supports_sink_tokens: bool = True
 
     def unavailable_reason(self, device: torch.device) -> str | None:
         """``None`` when the backend can run on ``device``, else a sentence saying why not."""
@@ -38,10 +42,11 @@ class AttentionBackend:
         v: torch.Tensor,
         windows: tuple[int, ...],
         scale: float,
+        sink_tokens: int = 0,
     ) -> torch.Tensor:
         raise NotImplementedError
 
-    def executed_coverage(self, windows: tuple[int, ...], seq_len: int) -> float:
+    def executed_coverage(self, windows: tuple[int, ...], seq_len: int, sink_tokens: int = 0) -> float:
         """Score work this backend computes for ``windows`` over the full causal triangle."""
         raise NotImplementedError
 

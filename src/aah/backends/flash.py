@@ -17,6 +17,11 @@ windows). flash-attn skips whole tiles outside the window, so its real work is
 this band rounded out to its tile grid (128-row query tiles, 64 to 128-key
 tiles depending on head dim and GPU): the figure is a lower bound, within
 about ``tile / W`` of the truth.
+
+Sink tokens are not supported: a request with ``sink_tokens > 0`` and a window
+shorter than the sequence raises ``BackendUnavailable`` (its sinks would need a
+second kernel merged by log-sum-exp); with every window covering the sequence
+the sinks change nothing and the call runs as usual.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import torch
 from ..windows import causal_coverage
 from .banded import gather_group, restore_head_order
 from .base import AttentionBackend, BackendUnavailable
+from .sinks import sink_span
 
 __all__ = ["FlashBackend"]
 
@@ -40,6 +46,7 @@ def _flash_attn_func():
 
 class FlashBackend(AttentionBackend):
     name = "flash"
+    supports_sink_tokens = False
     description = (
         "flash-attn sliding-window kernel (window_size=(W-1, 0)) per window group; "
         "CUDA, float16/bfloat16"
@@ -55,7 +62,8 @@ class FlashBackend(AttentionBackend):
             return f"flash_attn cannot be imported ({type(exc).__name__}: {exc})"
         return None
 
-    def attend(self, q, k, v, windows, scale):
+    def attend(self, q, k, v, windows, scale, sink_tokens=0):
+        _refuse_sinks(windows, q.shape[2], sink_tokens)
         if q.dtype not in _FLASH_DTYPES:
             raise BackendUnavailable(
                 f"backend 'flash' needs float16 or bfloat16 inputs, got {q.dtype}; "
@@ -83,6 +91,16 @@ class FlashBackend(AttentionBackend):
             order.extend(heads)
         return restore_head_order(outputs, order)
 
-    def executed_coverage(self, windows, seq_len):
+    def executed_coverage(self, windows, seq_len, sink_tokens=0):
+        _refuse_sinks(windows, seq_len, sink_tokens)
         return causal_coverage(windows, seq_len)
+
+
+def _refuse_sinks(windows: tuple[int, ...], seq_len: int, sink_tokens: int) -> None:
+    """Sinks that some window misses are not supported: say so rather than run something else."""
+    if any(sink_span(w, seq_len, sink_tokens) for w in windows):
+        raise BackendUnavailable(
+            f"backend 'flash' does not support sink_tokens > 0 (got {sink_tokens}) with windows "
+            f"shorter than the sequence; use 'flex' or 'banded' (or 'auto', which skips 'flash')"
+        )
 

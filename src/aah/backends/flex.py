@@ -14,6 +14,11 @@ compiled kernel serve all heads, whatever mix of windows the controller chose
   recompile the kernel.
   ``separate_full_blocks`` semantics are kept: tiles wholly inside the band are
   "full" (no mask evaluation), tiles the band edge crosses are "partial".
+* Sinks (``sink_tokens = S > 0``): the predicate becomes
+  ``kv <= q and (kv > q - W[h] or kv < S)`` (``S`` a tensor, so every sink
+  count shares the kernel) and the tile maps add the sink column tiles; one
+  extra key tile per query tile row for ``S <= 128``. ``S = 0`` keeps the
+  plain predicate and mask.
 * ``flex_attention`` is compiled once per process, lazily, on first use.
 * Grouped-query attention goes through ``enable_gqa=True`` (no KV expansion).
 * On CPU, PyTorch has only the forward pass of compiled FlexAttention, so this
@@ -52,13 +57,16 @@ def _import_error() -> str | None:
     return None
 
 
-def band_tiles(window: int, seq_len: int, block: int = FLEX_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+def band_tiles(
+    window: int, seq_len: int, block: int = FLEX_BLOCK, *, sink_tokens: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Tile maps of one head's band: ``(partial, full)`` boolean tensors of shape (nq, nkv).
 
     A tile is full when every (query, key) pair of its padded ``block x block``
     area is allowed, partial when some but not all are. Padding beyond the
     sequence counts as not allowed (as in ``create_block_mask``), so a tile that
-    reaches past the end of the sequence is never full.
+    reaches past the end of the sequence is never full. With ``sink_tokens = S``
+    the keys ``j < S`` are allowed too (``j <= i``).
     """
     n = -(-seq_len // block)
     starts = torch.arange(n) * block
@@ -68,7 +76,12 @@ def band_tiles(window: int, seq_len: int, block: int = FLEX_BLOCK) -> tuple[torc
     k_hi = torch.clamp(starts + block, max=seq_len)[None, :] - 1
     any_allowed = (k_lo <= q_hi) & (k_hi > q_lo - window)
     padded = (starts + block > seq_len)
-    all_allowed = (k_hi <= q_lo) & (k_lo > q_hi - window) & ~padded[:, None] & ~padded[None, :]
+    outside = k_lo > q_hi - window  # every pair of the tile is inside the window (or a sink, below)
+    if sink_tokens:
+        any_allowed |= (k_lo < sink_tokens) & (k_lo <= q_hi)
+        # Too-far-back keys k_lo .. min(k_hi, q_hi - W) of the last row must all be sinks.
+        outside |= torch.minimum(k_hi, q_hi - window) < sink_tokens
+    all_allowed = (k_hi <= q_lo) & outside & ~padded[:, None] & ~padded[None, :]
     return any_allowed & ~all_allowed, all_allowed
 
 
@@ -79,9 +92,9 @@ def _tile_areas(seq_len: int, block: int) -> torch.Tensor:
     return sizes[:, None] * sizes[None, :]
 
 
-def executed_tile_pairs(window: int, seq_len: int, block: int = FLEX_BLOCK) -> int:
+def executed_tile_pairs(window: int, seq_len: int, block: int = FLEX_BLOCK, *, sink_tokens: int = 0) -> int:
     """Score entries FlexAttention computes for one head: area of its full and partial tiles."""
-    partial, full = band_tiles(window, seq_len, block)
+    partial, full = band_tiles(window, seq_len, block, sink_tokens=sink_tokens)
     return int(((partial | full) * _tile_areas(seq_len, block)).sum())
 
 
@@ -106,22 +119,41 @@ def _window_mask_mod(windows: torch.Tensor) -> Any:
     return local_causal
 
 
-def band_block_mask(windows: tuple[int, ...], seq_len: int, device: torch.device | str) -> Any:
-    """The BlockMask for per-head ``windows`` at ``seq_len``, built from the band geometry.
+def _sink_mask_mod(windows: torch.Tensor, sinks: torch.Tensor) -> Any:
+    """The local causal predicate with sinks: window looked up by head, plus keys ``< S``.
 
-    Cached per (seq_len, windows, device); the least recently used of
+    ``S`` is a 0-d tensor, so masks with different sink counts share one compiled kernel.
+    """
+
+    def local_causal_sinks(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & ((kv_idx > q_idx - windows[h]) | (kv_idx < sinks))
+
+    return local_causal_sinks
+
+
+def band_block_mask(
+    windows: tuple[int, ...], seq_len: int, device: torch.device | str, *, sink_tokens: int = 0
+) -> Any:
+    """The BlockMask for per-head ``windows`` (and ``sink_tokens``) at ``seq_len``, built from
+    the band geometry.
+
+    Cached per (seq_len, windows, sinks, device); the least recently used of
     more than a few masks is dropped.
     """
     from torch.nn.attention.flex_attention import BlockMask
 
     device = torch.device(device)
-    key = (seq_len, tuple(windows), str(device))
+    key = (seq_len, tuple(windows), str(device)) + ((sink_tokens,) if sink_tokens else ())
     cached = _mask_cache.get(key)
     if cached is not None:
         _mask_cache.move_to_end(key)
         return cached
-    mask_mod = _window_mask_mod(torch.tensor(windows, dtype=torch.int64, device=device))
-    maps = [band_tiles(w, seq_len) for w in windows]
+    window_tensor = torch.tensor(windows, dtype=torch.int64, device=device)
+    if sink_tokens:
+        mask_mod = _sink_mask_mod(window_tensor, torch.tensor(sink_tokens, dtype=torch.int64, device=device))
+    else:
+        mask_mod = _window_mask_mod(window_tensor)
+    maps = [band_tiles(w, seq_len, sink_tokens=sink_tokens) for w in windows]
     partial = torch.stack([p for p, _ in maps])
     full = torch.stack([f for _, f in maps])
     kv_num, kv_idx = _indices(partial)
@@ -175,7 +207,7 @@ class FlexBackend(AttentionBackend):
         # torch's compiled FlexAttention has no CPU backward (NotImplementedError).
         return torch.device(device).type != "cpu"
 
-    def attend(self, q, k, v, windows, scale):
+    def attend(self, q, k, v, windows, scale, sink_tokens=0):
         seq_len = q.shape[2]
         if q.device.type == "cpu":
             if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
@@ -185,12 +217,12 @@ class FlexBackend(AttentionBackend):
                 )
             # FlexAttention refuses CPU inputs that require grad even under no_grad.
             q, k, v = q.detach(), k.detach(), v.detach()
-        mask = band_block_mask(windows, seq_len, q.device)
+        mask = band_block_mask(windows, seq_len, q.device, sink_tokens=sink_tokens)
         return _flex()(
             q, k, v, block_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
         )
 
-    def executed_coverage(self, windows, seq_len):
+    def executed_coverage(self, windows, seq_len, sink_tokens=0):
         triangle = seq_len * (seq_len + 1) / 2
-        pairs = [executed_tile_pairs(w, seq_len) for w in windows]
+        pairs = [executed_tile_pairs(w, seq_len, sink_tokens=sink_tokens) for w in windows]
         return sum(pairs) / (len(pairs) * triangle)

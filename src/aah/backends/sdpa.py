@@ -2,6 +2,8 @@
 
 The full-attention baseline. It runs only when every window covers the whole
 sequence; asking it for local windows is an error, never a silent widening.
+Sink tokens change nothing there (every key is already visible), so they are
+accepted and ignored.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ class SdpaBackend(AttentionBackend):
     name = "sdpa"
     description = "full causal scaled_dot_product_attention (the baseline; rejects local windows)"
 
-    def attend(self, q, k, v, windows, scale):
+    def attend(self, q, k, v, windows, scale, sink_tokens=0):
         seq_len = q.shape[2]
         local = [w for w in windows if w < seq_len]
         if local:
@@ -25,7 +27,7 @@ class SdpaBackend(AttentionBackend):
             )
         return causal_sdpa(q, k, v, scale)
 
-    def executed_coverage(self, windows, seq_len):
+    def executed_coverage(self, windows, seq_len, sink_tokens=0):
         # Causal kernels skip the tiles above the diagonal: the causal triangle, nominally.
         return 1.0
 

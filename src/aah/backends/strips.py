@@ -24,6 +24,11 @@ For one window ``W < T`` (all heads of a window group at once):
 * **Backward**: the fused kernel's own backward, called with the same views;
   the strip gradients of ``K`` and ``V`` are added back into the positions they
   came from (``ceil(L / b)`` strided additions).
+* **Sinks** (``sink_tokens = S > 0``): the strip queries ``i >= W`` also see
+  the sinks ``j < S`` their window misses (``j <= i - W``), one small
+  ``(T - W) x S'`` block with ``S' = min(S, T - W)``, merged with the strips
+  by log-sum-exp; the fused kernel's backward runs with the merged output and
+  log-sum-exp (:mod:`aah.backends.sinks`). ``S = 0`` takes the plain path.
 
 Heads whose window covers the sequence run through one fused causal call
 (:mod:`aah.backends.sdpa`). Grouped-query KV heads are expanded to their
@@ -36,7 +41,8 @@ exists on CPU only, so this backend is CPU-only; on CUDA the ``flash`` and
 
 Executed coverage counts what the kernel is asked to compute: the prefix
 triangle ``W (W + 1) / 2`` plus ``n b L`` strip entries (``n`` chunks, padded
-rows included), over the causal triangle ``T (T + 1) / 2``.
+rows included), plus ``n b S'`` sink entries, over the causal triangle
+``T (T + 1) / 2``.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import torch
 from .banded import grouped_attention
 from .base import AttentionBackend, expand_kv
 from .sdpa import causal_sdpa
+from .sinks import merge_sinks, sink_backward, sink_span
 
 __all__ = ["StripsBackend", "strip_attention", "strip_block", "strip_entries"]
 
@@ -67,14 +74,16 @@ def strip_block(window: int, seq_len: int) -> int:
     return max(1, min(max(power, _MIN_BLOCK), _MAX_BLOCK, max(1, seq_len - window)))
 
 
-def strip_entries(window: int, seq_len: int, block: int | None = None) -> int:
-    """Score entries the kernel computes for one head: prefix triangle plus strips."""
+def strip_entries(window: int, seq_len: int, block: int | None = None, *, sink_tokens: int = 0) -> int:
+    """Score entries the kernel computes for one head: prefix triangle plus strips
+    (plus, with sinks, one ``S'``-key block for every strip row, padded rows included)."""
     if window >= seq_len:
         return seq_len * (seq_len + 1) // 2
     if block is None:
         block = strip_block(window, seq_len)
     chunks = -(-(seq_len - window) // block)
-    return window * (window + 1) // 2 + chunks * block * (window - 1 + block)
+    sinks = chunks * block * sink_span(window, seq_len, sink_tokens)
+    return window * (window + 1) // 2 + chunks * block * (window - 1 + block) + sinks
 
 
 _MASKS: dict[tuple[int, int, torch.dtype, torch.device], torch.Tensor] = {}
@@ -108,10 +117,11 @@ def _strips(x: torch.Tensor, window: int, block: int, chunks: int) -> torch.Tens
 
 
 class _StripAttention(torch.autograd.Function):
-    """Local causal attention with one window for ``q``, ``k``, ``v`` of shape (N, T, D)."""
+    """Local causal attention with one window for ``q``, ``k``, ``v`` of shape (N, T, D);
+    the strip queries also see the first ``sinks`` keys when ``sinks > 0``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, window: int, block: int, scale: float):
+    def forward(ctx, q, k, v, window: int, block: int, scale: float, sinks: int):
         n_heads, t, d = q.shape
         chunks = -(-(t - window) // block)
         padded = window + chunks * block
@@ -127,15 +137,17 @@ class _StripAttention(torch.autograd.Function):
             q_s, _strips(k, window, block, chunks), _strips(v, window, block, chunks), 0.0, False,
             attn_mask=mask, scale=scale,
         )
+        if sinks:
+            out_s, lse_s = _merge_strip_sinks(q, k, v, window, sinks, scale, out_s, lse_s)
         out = torch.cat([out_pre.reshape(n_heads, window, d), out_s.reshape(n_heads, chunks * block, d)], 1)
         ctx.save_for_backward(q, k, v, out_pre, lse_pre, out_s, lse_s)
-        ctx.geometry = (t, window, block, chunks, scale)
+        ctx.geometry = (t, window, block, chunks, scale, sinks)
         return out[:, :t] if padded > t else out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out_pre, lse_pre, out_s, lse_s = ctx.saved_tensors
-        t, window, block, chunks, scale = ctx.geometry
+        t, window, block, chunks, scale, sinks = ctx.geometry
         n_heads, padded, d = q.shape
         grad = grad_out.contiguous()
         if padded > t:
@@ -165,15 +177,43 @@ class _StripAttention(torch.autograd.Function):
             span = slice(1 + lo, 1 + lo + chunks * block)
             dk[:, span].view(n_heads, chunks, block, d)[:, :, :width] += dk_s[:, :, lo : lo + width]
             dv[:, span].view(n_heads, chunks, block, d)[:, :, :width] += dv_s[:, :, lo : lo + width]
-        return dq[:, :t], dk[:, :t], dv[:, :t], None, None, None
+        if sinks:
+            tail = slice(window, padded)
+            dq_k, dk_k, dv_k = sink_backward(
+                q[:, tail], k[:, :sinks], v[:, :sinks], scale,
+                out_s.reshape(n_heads, -1, d), lse_s.reshape(n_heads, -1), grad[:, tail],
+            )
+            dq[:, window:] += dq_k.to(dq.dtype)
+            dk[:, :sinks] += dk_k.to(dk.dtype)
+            dv[:, :sinks] += dv_k.to(dv.dtype)
+        return dq[:, :t], dk[:, :t], dv[:, :t], None, None, None, None
+
+
+def _merge_strip_sinks(q, k, v, window, sinks, scale, out_s, lse_s):
+    """The strip queries' output and log-sum-exp with their sinks merged in (:mod:`.sinks`)."""
+    n_heads, d = q.shape[0], q.shape[2]
+    out, lse = merge_sinks(
+        q[:, window:], k[:, :sinks], v[:, :sinks], scale,
+        out_s.reshape(n_heads, -1, d), lse_s.reshape(n_heads, -1),
+    )
+    return out.view(out_s.shape), lse.view(lse_s.shape)
 
 
 def strip_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float, block: int | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int,
+    scale: float,
+    block: int | None = None,
+    *,
+    sink_tokens: int = 0,
 ) -> torch.Tensor:
     """Local causal attention with one ``window`` for all heads of ``q`` (B, H, T, D).
 
     ``k`` and ``v`` are (B, H_kv, T, D); grouped KV heads are expanded here.
+    With ``sink_tokens`` the strip queries also see the first keys, merged by
+    log-sum-exp (:mod:`aah.backends.sinks`).
     """
     b, h, t, d = q.shape
     if block is None:
@@ -182,7 +222,8 @@ def strip_attention(
         return causal_sdpa(q, k, v, scale)
     k, v = expand_kv(k, h), expand_kv(v, h)
     out = _StripAttention.apply(
-        q.reshape(b * h, t, d), k.reshape(b * h, t, d), v.reshape(b * h, t, d), window, block, scale
+        q.reshape(b * h, t, d), k.reshape(b * h, t, d), v.reshape(b * h, t, d), window, block, scale,
+        sink_span(window, t, sink_tokens),
     )
     return out.view(b, h, t, d)
 
@@ -200,10 +241,17 @@ class StripsBackend(AttentionBackend):
             return f"the fused strip kernel is PyTorch's CPU attention kernel; not available on {device.type}"
         return None
 
-    def attend(self, q, k, v, windows, scale):
-        return grouped_attention(q, k, v, windows, scale, strip_attention)
+    def attend(self, q, k, v, windows, scale, sink_tokens=0):
+        if not sink_tokens:
+            return grouped_attention(q, k, v, windows, scale, strip_attention)
 
-    def executed_coverage(self, windows, seq_len):
+        def run(q_g, k_g, v_g, w, scale):
+            return strip_attention(q_g, k_g, v_g, w, scale, sink_tokens=sink_tokens)
+
+        return grouped_attention(q, k, v, windows, scale, run)
+
+    def executed_coverage(self, windows, seq_len, sink_tokens=0):
         t = seq_len
         triangle = t * (t + 1) / 2
-        return sum(strip_entries(min(w, t), t) / triangle for w in windows) / len(windows)
+        entries = (strip_entries(min(w, t), t, sink_tokens=sink_tokens) for w in windows)
+        return sum(e / triangle for e in entries) / len(windows)

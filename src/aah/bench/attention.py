@@ -29,6 +29,11 @@ given shape:
 
 Backends the counter cannot trace (compiled FlexAttention) get ``None`` for the
 counted figures; their ``executed_coverage`` still says what they compute.
+
+With ``sink_tokens = S > 0`` every windowed backend also keeps the first ``S``
+keys (:mod:`aah.windows`), and the coverage and ideal figures count them; the
+``sdpa`` baseline is full causal attention, which sinks do not change.
+Backends without sink support (``flash``) do not run then.
 """
 
 from __future__ import annotations
@@ -42,9 +47,15 @@ from typing import Any
 
 import torch
 
-from ..backends import backend_names, executed_coverage, get_backend, resolve_backend
+from ..backends import (
+    backend_names,
+    backend_takes_sinks,
+    executed_coverage,
+    get_backend,
+    resolve_backend,
+)
 from ..backends.base import BackendUnavailable
-from ..windows import acr, as_window_tensor, causal_coverage, causal_pairs
+from ..windows import acr, as_window_tensor, causal_coverage, causal_pairs, check_sink_tokens
 
 __all__ = [
     "MIXES",
@@ -103,24 +114,33 @@ def mix_windows(mix: str, heads: int, seq_len: int) -> tuple[int, ...]:
     return tuple(windows)
 
 
-def default_backends(device: torch.device | str, backward: bool, dtype: torch.dtype) -> list[str]:
-    """Registered backends (other than the ``sdpa`` baseline) that can run this request."""
+def default_backends(
+    device: torch.device | str, backward: bool, dtype: torch.dtype, sinks: tuple[Sequence[int], int, int] | None = None
+) -> list[str]:
+    """Registered backends (other than the ``sdpa`` baseline) that can run this request.
+
+    ``sinks`` is ``(windows, seq_len, sink_tokens)`` when the request has sink tokens."""
     names = []
     for name in backend_names():
         if name == "sdpa":
             continue
-        if _cannot_run(name, device, backward, dtype) is None:
+        if _cannot_run(name, device, backward, dtype, sinks) is None:
             names.append(name)
     return names
 
 
-def _cannot_run(name: str, device: torch.device | str, backward: bool, dtype: torch.dtype) -> str | None:
+def _cannot_run(
+    name: str, device: torch.device | str, backward: bool, dtype: torch.dtype,
+    sinks: tuple[Sequence[int], int, int] | None = None,
+) -> str | None:
     try:
         resolve_backend(name, device, needs_backward=backward)
     except BackendUnavailable as exc:
         return str(exc)
     if name == "flash" and dtype not in (torch.float16, torch.bfloat16):
         return "backend 'flash' needs --dtype float16 or bfloat16"
+    if sinks is not None and not backend_takes_sinks(name, *sinks):
+        return f"backend {name!r} does not support --sink-tokens with these windows"
     return None
 
 
@@ -192,8 +212,10 @@ def _count_flops(run: Callable[[], None], causal_aware: bool) -> int | None:
     return int(counter.get_total_flops())
 
 
-def _ideal_flops(windows: Sequence[int], seq_len: int, batch: int, head_dim: int, backward: bool) -> int:
-    pairs = sum(causal_pairs(w, seq_len) for w in windows)
+def _ideal_flops(
+    windows: Sequence[int], seq_len: int, batch: int, head_dim: int, backward: bool, sink_tokens: int = 0
+) -> int:
+    pairs = sum(causal_pairs(w, seq_len, sink_tokens=sink_tokens) for w in windows)
     products = 7 if backward else 2
     return 2 * head_dim * products * pairs * batch
 
@@ -221,15 +243,21 @@ def bench_attention(
     warmup: int = 2,
     device: str | torch.device | None = None,
     seed: int = 0,
+    sink_tokens: int = 0,
 ) -> dict:
     """Time and count every backend against full causal SDPA; returns a JSON-ready dict.
 
     ``windows`` (one per head) or ``mix`` (a name in :data:`MIXES`) sets the
     windows; with neither, ``full_adaptive``. ``backends=None`` runs every
     registered backend that can run the request on ``device``. The ``sdpa``
-    baseline (all windows = T) always runs and is the first row.
+    baseline (all windows = T) always runs and is the first row. ``sink_tokens``
+    keeps the first positions visible in every windowed backend.
     """
     seq_len = _check_positive(seq_len, "--seq-len")
+    try:
+        sinks = check_sink_tokens(sink_tokens)
+    except ValueError:
+        raise ValueError(f"--sink-tokens must be an integer >= 0, got {sink_tokens!r}") from None
     heads = _check_positive(heads, "--heads")
     kv_heads = heads if kv_heads is None else _check_positive(kv_heads, "--kv-heads")
     if heads % kv_heads:
@@ -271,8 +299,9 @@ def bench_attention(
             raise ValueError(f"--windows needs {heads} values (one per head, --heads), got {len(wins)}")
 
     known = backend_names()
+    sink_request = (wins, seq_len, sinks) if sinks else None
     if backends is None:
-        chosen = default_backends(dev, backward, torch_dtype)
+        chosen = default_backends(dev, backward, torch_dtype, sink_request)
     else:
         chosen = []
         for name in backends:
@@ -280,7 +309,7 @@ def bench_attention(
                 raise ValueError(f"--backends: unknown backend {name!r}; choose from {', '.join(known)}")
             if name == "sdpa":
                 continue  # the baseline runs anyway
-            reason = _cannot_run(name, dev, backward, torch_dtype)
+            reason = _cannot_run(name, dev, backward, torch_dtype, sink_request)
             if reason is not None:
                 raise ValueError(f"--backends: {reason}")
             if name not in chosen:
@@ -297,16 +326,18 @@ def bench_attention(
     grad = torch.randn(shape_q, generator=gen).to(dev, torch_dtype)
     scale = 1.0 / math.sqrt(head_dim)
 
+    extra = {"sink_tokens": sinks} if sinks else {}
+
     def make_call(name: str, run_windows: tuple[int, ...]) -> Callable[[], None]:
         backend = get_backend(name)
 
         def call() -> None:
             if backward:
-                out = backend.attend(q, k, v, run_windows, scale)
+                out = backend.attend(q, k, v, run_windows, scale, **extra)
                 torch.autograd.grad(out, (q, k, v), grad)
             else:
                 with torch.no_grad():
-                    backend.attend(q, k, v, run_windows, scale)
+                    backend.attend(q, k, v, run_windows, scale, **extra)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
 
@@ -333,12 +364,12 @@ def bench_attention(
                 "windows": list(run_windows),
                 "median_ms": statistics.median(times[name]),
                 "times_ms": times[name],
-                "acr": acr(run_windows, seq_len),
-                "causal_coverage": causal_coverage(run_windows, seq_len),
-                "executed_coverage": executed_coverage(name, run_windows, seq_len),
+                "acr": acr(run_windows, seq_len, sink_tokens=sinks),
+                "causal_coverage": causal_coverage(run_windows, seq_len, sink_tokens=sinks),
+                "executed_coverage": executed_coverage(name, run_windows, seq_len, sink_tokens=sinks),
                 "counted_flops": _count_flops(calls[name], causal_aware=False),
                 "counted_flops_causal": _count_flops(calls[name], causal_aware=True),
-                "ideal_flops": _ideal_flops(run_windows, seq_len, batch, head_dim, backward),
+                "ideal_flops": _ideal_flops(run_windows, seq_len, batch, head_dim, backward, sinks),
             }
         )
     base = rows[0]
@@ -365,8 +396,9 @@ def bench_attention(
             "warmup": warmup,
             "mix": mix,
             "windows": list(wins),
-            "acr": acr(wins, seq_len),
-            "causal_coverage": causal_coverage(wins, seq_len),
+            "sink_tokens": sinks,
+            "acr": acr(wins, seq_len, sink_tokens=sinks),
+            "causal_coverage": causal_coverage(wins, seq_len, sink_tokens=sinks),
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,
         },
@@ -391,11 +423,12 @@ def format_table(result: dict) -> str:
     cfg = result["config"]
     what = "forward+backward" if cfg["backward"] else "forward"
     label = f"mix {cfg['mix']}" if cfg["mix"] else "windows"
+    sinks = f", {cfg['sink_tokens']} sink tokens" if cfg.get("sink_tokens") else ""
     lines = [
         f"attention {what}: B={cfg['batch']} H={cfg['heads']} H_kv={cfg['kv_heads']} "
         f"T={cfg['seq_len']} D={cfg['head_dim']} {cfg['dtype']} on {cfg['device']}, "
         f"median of {cfg['repeats']}",
-        f"{label}: windows {','.join(str(w) for w in cfg['windows'])}  "
+        f"{label}: windows {','.join(str(w) for w in cfg['windows'])}{sinks}  "
         f"(ACR {cfg['acr']:.3f}, causal coverage {cfg['causal_coverage']:.3f})",
         "",
     ]

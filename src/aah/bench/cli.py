@@ -76,6 +76,10 @@ def _add_attention(bench_sub: argparse._SubParsersAction) -> None:
     group.add_argument("--windows", default=None, help="comma-separated windows, one per head")
     group.add_argument("--mix", choices=list(MIXES), default=None, help="a paper window mix (default full_adaptive)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument(
+        "--sink-tokens", type=int, default=0,
+        help="first positions every windowed backend keeps visible (default 0)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(func=_run_attention)
 
@@ -107,6 +111,7 @@ def _run_attention(args: argparse.Namespace) -> int:
             mix=args.mix,
             warmup=args.warmup,
             device=args.device,
+            sink_tokens=args.sink_tokens,
         )
     except ValueError as exc:
         raise CLIError(f"attention: {exc}") from None

@@ -7,10 +7,10 @@ switches the model to them. Every attention module then attends with its own row
 
 How a call is executed:
 
-* an unpadded prompt without a cache (the prefill) and no sinks runs through
-  :func:`aah.attend`, so the chosen backend skips the work outside each window;
-* padded batches, sinks, and queries that follow cached keys run fused SDPA with an exact
-  boolean mask: correct, but they do not skip work.
+* an unpadded prompt without a cache (the prefill) runs through :func:`aah.attend`, sinks
+  included, so the chosen backend skips the work outside each window and its sinks;
+* padded batches, queries that follow cached keys, and sinks on a backend that has none
+  (``flash``) run fused SDPA with an exact boolean mask: correct, but they do not skip work.
 
 A head never sees more than its layer allows: in a layer with its own sliding window (Mistral,
 Qwen3's sliding layers) a head's window is ``min(W_h, sliding_window)`` and that layer keeps
@@ -28,7 +28,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from ..backends import attend
+from ..backends import attend, backend_takes_sinks
 from ..windows import as_window_tensor, check_sink_tokens
 from ._transformers import require
 from .windowed_kv import WindowedKV
@@ -247,12 +247,17 @@ def attend_without_cache(
 ) -> torch.Tensor:
     """(B, H, Tq, D) attention over plain keys that end at the last query.
 
-    Unpadded prompts without sinks run through :func:`aah.attend` (work outside the windows
-    is skipped); everything else runs fused SDPA with the exact boolean mask.
+    Unpadded prompts run through :func:`aah.attend`, sinks included (work outside the windows
+    and sinks is skipped), except on a backend without sink support (``flash``) when some
+    window misses a sink; everything else runs fused SDPA with the exact boolean mask.
     """
     q_len, kv_len = query.shape[2], key.shape[2]
-    if attention_mask is None and q_len == kv_len and spec.sink_tokens == 0 and not dropout:
-        return attend(query, key, value, spec.windows, backend=spec.backend, scale=scaling)
+    if attention_mask is None and q_len == kv_len and not dropout:
+        sinks = check_sink_tokens(spec.sink_tokens)
+        if not sinks:
+            return attend(query, key, value, spec.windows, backend=spec.backend, scale=scaling)
+        if backend_takes_sinks(spec.backend, spec.windows, q_len, sinks):
+            return attend(query, key, value, spec.windows, backend=spec.backend, scale=scaling, sink_tokens=sinks)
     allowed = allowed_keys(spec.windows, spec.sink_tokens, q_len, kv_len, attention_mask, query.device)
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=allowed, dropout_p=dropout, scale=scaling,

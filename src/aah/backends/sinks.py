@@ -1,0 +1,103 @@
+"""Sink tokens for the windowed backends: the few first keys merged into a window by log-sum-exp.
+
+With ``S`` sink tokens (:mod:`aah.windows`) query ``i`` of a head with window
+``W`` attends keys ``i - W < j <= i`` and also ``j < S, j <= i``. The window
+part is what every backend already computes; the sinks that lie outside the
+window form a small extra key block:
+
+* only queries ``i >= W`` can see a sink outside their window (before that the
+  window reaches key 0), and only sinks ``j < min(S, T - W)`` matter
+  (:func:`sink_span`);
+* query ``i`` sees extra sink ``j`` when ``j <= i - W``: exactly the sinks the
+  window misses, so no key is counted twice.
+
+The two parts are merged flash style. The forward keeps the window part's
+output ``O_w`` and log-sum-exp ``L_w``, computes the sink part's ``O_s`` and
+``L_s``, and returns ``O = e^(L_w - L) O_w + e^(L_s - L) O_s`` with
+``L = log(e^L_w + e^L_s)``. The backward of each part, run with the merged
+``O`` and ``L`` (softmax probabilities ``exp(scores - L)`` and
+``delta = dO . O``), gives exactly that part's share of the gradients, so the
+window kernels' own backward passes serve unchanged.
+
+``S = 0`` never reaches this module: the backends keep their plain path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["merge_sinks", "sink_backward", "sink_span"]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def sink_span(window: int, seq_len: int, sink_tokens: int) -> int:
+    """How many sink keys lie outside the window of some query: ``min(S, T - W)``, 0 if ``W >= T``."""
+    if window >= seq_len:
+        return 0
+    return max(0, min(sink_tokens, seq_len - window))
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in _LOW_PRECISION else dtype
+
+
+def _sink_scores(q_tail: torch.Tensor, k_sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """Masked scores (..., R, S') of query rows ``W + r`` against sinks ``j``: visible when ``j <= r``."""
+    dtype = _compute_dtype(q_tail.dtype)
+    scores = torch.matmul(q_tail.to(dtype), k_sink.to(dtype).transpose(-1, -2)) * scale
+    rows, span = scores.shape[-2], scores.shape[-1]
+    hidden = torch.ones(rows, span, dtype=torch.bool, device=scores.device).triu_(1)  # j > r
+    return scores.masked_fill_(hidden, float("-inf"))
+
+
+def merge_sinks(
+    q_tail: torch.Tensor,
+    k_sink: torch.Tensor,
+    v_sink: torch.Tensor,
+    scale: float,
+    out_w: torch.Tensor,
+    lse_w: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Window output and log-sum-exp of queries ``[W, T)`` merged with their sink part.
+
+    ``q_tail`` (..., R, D) holds queries ``W, W + 1, ...``; ``k_sink``, ``v_sink``
+    (..., S', D) the sink keys (broadcast over the leading dims); ``out_w``
+    (..., R, D) and ``lse_w`` (..., R) the window part of those rows. Returns the
+    merged ``(out, lse)``, ``out`` in the dtype of ``out_w``, ``lse`` in the
+    dtype of ``lse_w``. Every row sees key 0 in its window or its sinks, so both
+    stay finite.
+    """
+    scores = _sink_scores(q_tail, k_sink, scale)
+    lse_s = torch.logsumexp(scores, dim=-1)
+    lse = torch.logaddexp(lse_w.to(lse_s.dtype), lse_s)
+    out_s = torch.matmul(torch.exp(scores - lse[..., None]), v_sink.to(scores.dtype))
+    out = out_w.to(scores.dtype) * torch.exp(lse_w.to(lse.dtype) - lse)[..., None] + out_s
+    return out.to(out_w.dtype), lse.to(lse_w.dtype)
+
+
+def sink_backward(
+    q_tail: torch.Tensor,
+    k_sink: torch.Tensor,
+    v_sink: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sink part's gradients ``(dq_tail, dk_sink, dv_sink)`` given the merged ``out`` and ``lse``.
+
+    ``dk_sink`` and ``dv_sink`` keep the leading dims of ``q_tail`` (sum them
+    over any dims ``k_sink`` was broadcast along); all three are in the compute
+    dtype (float32 for half-precision inputs).
+    """
+    dtype = _compute_dtype(q_tail.dtype)
+    scores = _sink_scores(q_tail, k_sink, scale)
+    probs = torch.exp(scores - lse.to(dtype)[..., None])
+    grad, out = grad.to(dtype), out.to(dtype)
+    delta = (grad * out).sum(-1, keepdim=True)
+    dscores = (torch.matmul(grad, v_sink.to(dtype).transpose(-1, -2)) - delta) * probs
+    dq = torch.matmul(dscores, k_sink.to(dtype)) * scale
+    dk = torch.matmul(dscores.transpose(-1, -2), q_tail.to(dtype)) * scale
+    dv = torch.matmul(probs.transpose(-1, -2), grad)
+    return dq, dk, dv
