@@ -107,6 +107,7 @@ class _Bucket:
     windows: torch.Tensor  # (n, group) long: windows of their query heads
     keys: torch.Tensor  # (B, n, capacity, D), a view of LayerKVCache's chunk storage
     values: torch.Tensor  # (B, n, capacity, D)
+    unread: torch.Tensor  # (1, n, capacity) additive mask: 0 where written, else masked
     all_heads: bool  # the bucket is every KV head, in order (no gather needed)
 
     def select(self, x: torch.Tensor) -> torch.Tensor:
@@ -173,7 +174,13 @@ class _DecodePlan:
     """
 
     def __init__(
-        self, buckets: Sequence[_Bucket], chunk: int, keys: torch.Tensor, values: torch.Tensor, num_kv_heads: int
+        self,
+        buckets: Sequence[_Bucket],
+        chunk: int,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        unread: torch.Tensor,
+        num_kv_heads: int,
     ):
         device = keys.device
         kv_heads, chunk_kv, slot, cap, wins = [], [], [], [], []
@@ -186,6 +193,7 @@ class _DecodePlan:
                     cap.append(bucket.capacity)
                     wins.append(bucket.windows[i].tolist())
         self.keys, self.values = keys, values
+        self.unread = unread[:, :, None, :]  # (1, N, 1, c): the slots not written yet
         self.kv_heads = kv_heads
         # The query rows of chunk n are those of its KV head: a gather unless chunk n is KV head n.
         self.identity = chunk_kv == list(range(num_kv_heads))
@@ -205,13 +213,15 @@ class _DecodePlan:
         )[None, :, :, None]  # (1, heads, width, 1), added to the log-sum-exps
 
     def mask(self, length: int, dtype: torch.dtype) -> torch.Tensor | None:
-        """Additive mask (1, N, G, c) after ``length`` writes, or ``None`` where every slot is readable.
+        """Additive mask (1, N, G or 1, c) after ``length`` writes, or ``None`` where every slot is readable.
 
         Slot ``s`` of a ring of capacity ``C`` holds the entry of age ``(length - 1 - s) mod C``;
         a query row with window ``w`` reads it when that age is below ``w`` and the slot was written.
+        Where every row reads its whole ring, that is the written slots alone: the mask kept
+        up to date by the writes, until every ring is full.
         """
-        if length >= self.fill_until and not self.partial_rows:
-            return None
+        if not self.partial_rows:
+            return None if length >= self.fill_until else self.unread.to(dtype)
         age = torch.remainder(length - 1 - self.slot, self.capacity)  # (N, c)
         readable = (age[:, None, :] < self.windows) & (age < length)[:, None, :]
         return torch.where(readable, 0.0, _MASKED).to(dtype)[None]
@@ -285,6 +295,7 @@ class LayerKVCache:
         shape = (self.batch_size, num_chunks, self.chunk, self.head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=self.device)
         self.values = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.unread = torch.full((1, num_chunks, self.chunk), _MASKED, device=self.device)
         self._buckets: list[_Bucket] = []
         first = 0
         for cap in sorted(set(self.capacities)):
@@ -301,14 +312,17 @@ class LayerKVCache:
                     windows=torch.tensor(wins, dtype=torch.long, device=self.device),
                     keys=self.keys[:, first:end].view(view),
                     values=self.values[:, first:end].view(view),
+                    unread=self.unread[:, first:end].view(1, len(heads), cap),
                     all_heads=len(heads) == num_kv_heads,
                 )
             )
             first = end
         if self.chunk >= MIN_CHUNK or len(self._buckets) == 1:
-            self._plans = [_DecodePlan(self._buckets, self.chunk, self.keys, self.values, num_kv_heads)]
+            self._plans = [_DecodePlan(self._buckets, self.chunk, self.keys, self.values, self.unread, num_kv_heads)]
         else:  # one call per capacity, each ring one chunk
-            self._plans = [_DecodePlan([b], b.capacity, b.keys, b.values, num_kv_heads) for b in self._buckets]
+            self._plans = [
+                _DecodePlan([b], b.capacity, b.keys, b.values, b.unread, num_kv_heads) for b in self._buckets
+            ]
         order = [g for plan in self._plans for g in plan.kv_heads]
         self._order = None if order == list(range(num_kv_heads)) else torch.tensor(
             [order.index(g) for g in range(num_kv_heads)], device=self.device
@@ -327,6 +341,7 @@ class LayerKVCache:
     def reset(self) -> None:
         """Forget every cached position (the buffers are kept and overwritten later)."""
         self.length = 0
+        self.unread.fill_(_MASKED)
 
     # ------------------------------------------------------------------ contents
     def cached(self, kv_head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -403,6 +418,8 @@ class LayerKVCache:
             kb, vb = bucket.select(k[:, :, t - n :]), bucket.select(v[:, :, t - n :])
             _ring_write(bucket.keys, kb, start + t - n)
             _ring_write(bucket.values, vb, start + t - n)
+            if start < bucket.capacity:  # the ring is still filling
+                _ring_write(bucket.unread[..., None], bucket.unread.new_zeros(1, 1, n, 1), start + t - n)
 
     def _decode_step(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, scale: float
@@ -420,6 +437,8 @@ class LayerKVCache:
             slot = pos % bucket.capacity
             bucket.keys[:, :, slot] = bucket.select(k1)
             bucket.values[:, :, slot] = bucket.select(v1)
+            if pos < bucket.capacity:  # the ring is still filling
+                bucket.unread[:, :, slot] = 0.0
         qg = q.reshape(b, self.num_kv_heads, self.group, d).to(dtype)
         outs = [plan.attend(qg, pos + 1, scale) for plan in self._plans]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
