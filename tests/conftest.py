@@ -8,8 +8,11 @@ import pytest
 import torch
 
 
-def reference_attention(q, k, v, windows, scale=None):
-    """Local causal attention written out loop-free in float64, independent of aah."""
+def reference_attention(q, k, v, windows, scale=None, sink_tokens=0):
+    """Local causal attention written out loop-free in float64, independent of aah.
+
+    Query ``i`` sees key ``j`` when ``j <= i`` and (``i - W < j`` or ``j < sink_tokens``).
+    """
     q, k, v = (t.double() for t in (q, k, v))
     b, h, t, d = q.shape
     group = h // k.shape[1]
@@ -19,7 +22,7 @@ def reference_attention(q, k, v, windows, scale=None):
     i = torch.arange(t)[:, None]
     j = torch.arange(t)[None, :]
     w = torch.as_tensor(list(windows))[:, None, None]
-    allowed = (j <= i) & (j > i - w)  # (H, T, T)
+    allowed = (j <= i) & ((j > i - w) | (j < sink_tokens))  # (H, T, T)
     scores = torch.einsum("bhid,bhjd->bhij", q, k) * scale
     scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.einsum("bhij,bhjd->bhid", scores.softmax(-1), v)

@@ -28,8 +28,8 @@ def _qkv(b, h, h_kv, t, d, dtype=torch.float64, device="cpu", seed=0):
     )
 
 
-def _check(out, q, k, v, windows, ref_attention, atol, rtol, backward=True):
-    ref = ref_attention(q, k, v, windows)
+def _check(out, q, k, v, windows, ref_attention, atol, rtol, backward=True, sink_tokens=0):
+    ref = ref_attention(q, k, v, windows, sink_tokens=sink_tokens)
     torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
     if not backward:
         return

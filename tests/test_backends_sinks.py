@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -16,45 +14,20 @@ from aah.backends.sinks import sink_span
 from aah.backends.strips import strip_entries
 from aah.windows import causal_coverage
 
+from .conftest import reference_attention
+from .test_backends_fast import _check as check_reference
+from .test_backends_fast import _qkv
+
 CUDA = torch.cuda.is_available()
 
 
 def sink_reference(q, k, v, windows, sinks, scale=None):
-    """Local causal attention with sinks, in float64: ``j <= i`` and (``i - W < j`` or ``j < S``)."""
-    q, k, v = (t.double() for t in (q, k, v))
-    b, h, t, d = q.shape
-    group = h // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    i = torch.arange(t)[:, None]
-    j = torch.arange(t)[None, :]
-    w = torch.as_tensor(list(windows))[:, None, None]
-    allowed = (j <= i) & ((j > i - w) | (j < sinks))  # (H, T, T)
-    scores = torch.einsum("bhid,bhjd->bhij", q, k) * scale
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("bhij,bhjd->bhid", scores.softmax(-1), v)
-
-
-def _qkv(b, h, h_kv, t, d, dtype=torch.float64, device="cpu", seed=0):
-    g = torch.Generator().manual_seed(seed)
-    shapes = ((b, h, t, d), (b, h_kv, t, d), (b, h_kv, t, d))
-    return tuple(
-        torch.randn(s, generator=g, dtype=torch.float64).to(device, dtype).requires_grad_(True)
-        for s in shapes
-    )
+    """The float64 reference of the test suite with ``sinks`` sink tokens."""
+    return reference_attention(q, k, v, windows, scale=scale, sink_tokens=sinks)
 
 
 def _check(out, q, k, v, windows, sinks, atol, rtol, backward=True):
-    ref = sink_reference(q, k, v, windows, sinks)
-    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
-    if not backward:
-        return
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    grads = torch.autograd.grad(out, (q, k, v), g.to(out.device, out.dtype))
-    ref_grads = torch.autograd.grad(ref, (q, k, v), g.to(ref.device))
-    for a, b in zip(grads, ref_grads):  # d/dq, d/dk, d/dv
-        torch.testing.assert_close(a.double(), b.double(), atol=atol, rtol=rtol)
+    check_reference(out, q, k, v, windows, reference_attention, atol, rtol, backward=backward, sink_tokens=sinks)
 
 
 # (batch, heads, kv heads, length, head dim, windows): MHA and GQA (uniform and uneven
