@@ -19,6 +19,7 @@ from aah.hf.calibrate import (  # noqa: E402
     budgeted_windows,
     calibrate,
     measure_lost_mass,
+    resolve_candidates,
     share_within_kv_groups,
     uniform_window_for_budget,
 )
@@ -374,3 +375,24 @@ def test_budgeted_calibrate_command_errors_are_one_line(tiny_model_dir, capsys):
     err = _error([*base, "--budget", "0.1"], capsys)
     assert "0.1" in err and f"{smallest:.4f}" in err and "below the smallest feasible causal coverage" in err
     assert "--scope must be one of" in _error([*base, "--budget", "0.5", "--scope", "everything"], capsys)
+    for bad in ("16,8", "0,16", "8,65", "8,x", ","):
+        assert "--candidates must be increasing" in _error([*base, "--budget", "0.5", "--candidates", bad], capsys)
+
+
+def test_budgeted_calibrate_command_takes_candidates(tiny_model_dir, tmp_path, capsys):
+    model_dir, corpus = tiny_model_dir
+    out = tmp_path / "c.safetensors"
+    assert main(["hf", "calibrate", str(model_dir), "--corpus", str(corpus), "--seq-len", "64", "--policy",
+                 "budgeted", "--budget", "0.6", "--batches", "1", "--candidates", "4,12,24,64",
+                 "--out", str(out)]) == 0
+    windows, meta = load_windows(out)
+    assert meta["candidates"] == [4, 12, 24, 64]
+    chosen = set(windows.flatten().tolist())
+    assert chosen <= {4, 12, 24, 64} and chosen & {4, 12, 24}  # none of 4, 12, 24 is on the default ladder
+    assert causal_coverage(windows, 64, sink_tokens=4) <= 0.6
+
+
+@pytest.mark.parametrize("bad", [[], [8, 8], [16, 8], [0, 8], [8, 65]])
+def test_candidates_are_validated(bad):
+    with pytest.raises(ValueError, match="candidates must be increasing windows in \\[1, 64\\]"):
+        resolve_candidates(64, bad)

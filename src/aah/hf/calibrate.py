@@ -91,8 +91,14 @@ def _num_kv_heads(model) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
-def _candidates(seq_len: int, candidates: Sequence[int] | None) -> tuple[int, ...]:
-    return tuple(int(c) for c in candidates) if candidates is not None else candidate_windows(seq_len)
+def resolve_candidates(seq_len: int, candidates: Sequence[int] | None) -> tuple[int, ...]:
+    """The candidate windows, increasing and within ``[1, seq_len]`` (default: the ladder T/8 .. T)."""
+    if candidates is None:
+        return candidate_windows(seq_len)
+    cands = tuple(int(c) for c in candidates)
+    if not cands or any(b <= a for a, b in zip(cands, cands[1:])) or cands[0] < 1 or cands[-1] > seq_len:
+        raise ValueError(f"candidates must be increasing windows in [1, {seq_len}], got {list(cands)}")
+    return cands
 
 
 def _window_pairs(candidates: Sequence[int], seq_len: int, sink_tokens: int) -> list[int]:
@@ -127,7 +133,7 @@ def check_policy_budget(
             raise ValueError("policy 'uniform' needs a budget (target causal coverage in (0, 1])")
         uniform_window_for_budget(budget, seq_len, sink_tokens=sink_tokens)
     elif policy == "budgeted":
-        check_budgeted_budget(budget, _candidates(seq_len, candidates), seq_len, sink_tokens=sink_tokens)
+        check_budgeted_budget(budget, resolve_candidates(seq_len, candidates), seq_len, sink_tokens=sink_tokens)
 
 
 def _check_scope(scope: str) -> None:
@@ -278,7 +284,7 @@ def calibrate(
 def _run_budgeted(model, batches, budget, seq_len, candidates, sink_tokens, granularity, scope, progress):
     """Measure the lost mass, then solve; a bad scope fails before any forward pass."""
     _check_scope(scope)
-    cands = _candidates(seq_len, candidates)
+    cands = resolve_candidates(seq_len, candidates)
     lost = measure_lost_mass(model, batches, cands, sink_tokens=sink_tokens, progress=progress)
     return budgeted_windows(
         lost, cands, budget, seq_len, sink_tokens=sink_tokens, num_kv_heads=_num_kv_heads(model),
@@ -287,7 +293,7 @@ def _run_budgeted(model, batches, budget, seq_len, candidates, sink_tokens, gran
 
 
 def _run_aah_v3(model, modules, batches, heads, seq_len, candidates, seed, progress) -> torch.Tensor:
-    cands = _candidates(seq_len, candidates)
+    cands = resolve_candidates(seq_len, candidates)
     config = get_regime("full_adaptive", seed=seed).replace(windows=cands, control_warmup=0, control_interval=1)
     controllers = [
         HeadController(heads, config, max_seq_len=seq_len, layer_idx=i).train() for i in range(len(modules))

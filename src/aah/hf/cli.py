@@ -55,6 +55,10 @@ def add_commands(subparsers) -> None:
     calibrate.add_argument("--batches", type=int, default=4, help="calibration blocks (default 4)")
     calibrate.add_argument("--granularity", default="kv_group", help="kv_group (default) or head")
     calibrate.add_argument("--seed", type=int, default=0)
+    calibrate.add_argument(
+        "--candidates", metavar="W1,W2,...",
+        help="candidate windows, increasing, each in [1, --seq-len] (default: T/8, T/4, T/2, T)",
+    )
     calibrate.add_argument("--out", required=True, metavar="FILE", help="windows file (.safetensors)")
     calibrate.set_defaults(func=_calibrate)
 
@@ -149,9 +153,25 @@ def _check_budget(args: argparse.Namespace) -> None:
     from .calibrate import check_policy_budget
 
     try:
-        check_policy_budget(args.policy, args.budget, args.seq_len, sink_tokens=args.sink_tokens)
+        check_policy_budget(
+            args.policy, args.budget, args.seq_len, sink_tokens=args.sink_tokens, candidates=args.candidates
+        )
     except ValueError as exc:
         raise CLIError(str(exc)) from None
+
+
+def _parse_candidates(text: str | None, seq_len: int) -> tuple[int, ...] | None:
+    """``--candidates`` as increasing windows in [1, seq_len], or a one-line error."""
+    if text is None:
+        return None
+    from .calibrate import resolve_candidates
+
+    try:
+        return resolve_candidates(seq_len, [int(w) for w in text.split(",") if w.strip()])
+    except ValueError:
+        raise CLIError(
+            f"--candidates must be increasing comma-separated windows in [1, {seq_len}], got {text!r}"
+        ) from None
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -167,6 +187,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         raise CLIError(f"--scope must be one of {', '.join(SCOPES)}; got {args.scope!r}")
     if args.sink_tokens < 0:
         raise CLIError(f"--sink-tokens must be >= 0, got {args.sink_tokens}")
+    args.candidates = _parse_candidates(args.candidates, args.seq_len)
     _, tokenizer, load_model = _load(args.model_dir, args.seq_len)
     blocks = _blocks(tokenizer, args.corpus, "train", args.seq_len, args.batches)
     _check_budget(args)
@@ -175,6 +196,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         windows = calibrate(
             model, blocks.split(1), policy=args.policy, budget=args.budget, sink_tokens=args.sink_tokens,
             granularity=args.granularity, seed=args.seed, progress=True, scope=args.scope,
+            candidates=args.candidates,
         )
     except ValueError as exc:
         raise CLIError(str(exc)) from None
@@ -187,6 +209,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         "sink_tokens": args.sink_tokens,
         "granularity": args.granularity,
         "scope": args.scope if args.policy == "budgeted" else None,
+        "candidates": list(args.candidates) if args.candidates else None,
         "corpus": args.corpus,
         "batches": args.batches,
         "acr": acr(windows, args.seq_len, sink_tokens=args.sink_tokens),
