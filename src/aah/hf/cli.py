@@ -148,13 +148,13 @@ def _blocks(tokenizer, corpus: str, split: str, seq_len: int, count: int):
         raise CLIError(str(exc)) from None
 
 
-def _check_budget(args: argparse.Namespace) -> None:
+def _check_budget(args: argparse.Namespace, candidates: tuple[int, ...] | None) -> None:
     """Refuse a missing or infeasible budget of a budget policy before the weights load."""
     from .calibrate import check_policy_budget
 
     try:
         check_policy_budget(
-            args.policy, args.budget, args.seq_len, sink_tokens=args.sink_tokens, candidates=args.candidates
+            args.policy, args.budget, args.seq_len, sink_tokens=args.sink_tokens, candidates=candidates
         )
     except ValueError as exc:
         raise CLIError(str(exc)) from None
@@ -187,16 +187,16 @@ def _calibrate(args: argparse.Namespace) -> int:
         raise CLIError(f"--scope must be one of {', '.join(SCOPES)}; got {args.scope!r}")
     if args.sink_tokens < 0:
         raise CLIError(f"--sink-tokens must be >= 0, got {args.sink_tokens}")
-    args.candidates = _parse_candidates(args.candidates, args.seq_len)
+    candidates = _parse_candidates(args.candidates, args.seq_len)
     _, tokenizer, load_model = _load(args.model_dir, args.seq_len)
     blocks = _blocks(tokenizer, args.corpus, "train", args.seq_len, args.batches)
-    _check_budget(args)
+    _check_budget(args, candidates)
     model = load_model()
     try:
         windows = calibrate(
             model, blocks.split(1), policy=args.policy, budget=args.budget, sink_tokens=args.sink_tokens,
             granularity=args.granularity, seed=args.seed, progress=True, scope=args.scope,
-            candidates=args.candidates,
+            candidates=candidates,
         )
     except ValueError as exc:
         raise CLIError(str(exc)) from None
@@ -209,7 +209,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         "sink_tokens": args.sink_tokens,
         "granularity": args.granularity,
         "scope": args.scope if args.policy == "budgeted" else None,
-        "candidates": list(args.candidates) if args.candidates else None,
+        "candidates": list(candidates) if candidates else None,
         "corpus": args.corpus,
         "batches": args.batches,
         "acr": acr(windows, args.seq_len, sink_tokens=args.sink_tokens),
