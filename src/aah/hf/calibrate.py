@@ -15,6 +15,10 @@ Policies:
   minimise the summed lost mass subject to causal coverage (sinks counted) ``<= budget``
   are then chosen by the exact multiple-choice knapsack of :mod:`aah.controller.budget`,
   per layer (``scope="layer"``) or for all layers at once (``scope="model"``).
+  ``measure="kl"`` (an option of ours) puts the estimated KL divergence from the full
+  model that each window adds (:mod:`aah.hf.loss_estimate`, one backward pass per batch)
+  in the knapsack instead of the lost mass; it is in one unit across layers, so it is
+  meant for ``scope="model"``.
 
 With grouped-query attention the windows are decided per KV group by default
 (``granularity="kv_group"``): the query heads that share a KV head share its window, so the
@@ -25,8 +29,7 @@ query heads and whose lost mass is the sum over them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -37,12 +40,14 @@ from ..controller.lost_mass import lost_mass
 from ..controller.selection import share_within_kv_groups as share_row
 from ..regimes import get as get_regime
 from ..windows import candidate_windows, causal_coverage, causal_pairs
-from .patching import RECORDER_ATTR, attention_modules, patch, unpatch
+from .loss_estimate import measure_window_kl
+from .patching import attention_modules, recording
 
 __all__ = [
     "POLICIES",
     "GRANULARITIES",
     "SCOPES",
+    "MEASURES",
     "calibrate",
     "uniform_window_for_budget",
     "share_within_kv_groups",
@@ -55,6 +60,7 @@ __all__ = [
 POLICIES = ("aah_v3", "uniform", "budgeted")
 GRANULARITIES = ("head", "kv_group")
 SCOPES = ("layer", "model")
+MEASURES = ("lost_mass", "kl")
 
 
 def uniform_window_for_budget(budget: float, seq_len: int, *, sink_tokens: int = 0) -> int:
@@ -162,9 +168,11 @@ def budgeted_windows(
     granularity: str = "kv_group",
     scope: str = "layer",
 ) -> torch.Tensor:
-    """(L, H) windows minimising the summed lost mass with causal coverage ``<= budget``.
+    """(L, H) windows minimising the summed ``lost`` with causal coverage ``<= budget``.
 
-    ``lost`` is the (L, H, K) lost-mass table of :func:`measure_lost_mass`. Every item (a head,
+    ``lost`` is an (L, H, K) table of what each window loses: the lost mass of
+    :func:`measure_lost_mass` or the loss estimate of
+    :func:`~aah.hf.loss_estimate.measure_window_kl`. Every item (a head,
     or a KV group of ``H / num_kv_heads`` heads) takes one candidate; the knapsack is solved
     per layer or, with ``scope="model"``, once over all layers.
     """
@@ -187,23 +195,6 @@ def budgeted_windows(
         for heads, c in zip(items, choice):
             out[layer, heads] = int(candidates[c])
     return out
-
-
-@contextmanager
-def _recording(model: torch.nn.Module, modules: list, recorders: Sequence[Callable], seq_len: int) -> Iterator[None]:
-    """Run the model at full attention with ``recorders[i]`` seeing layer ``i``'s post-RoPE q/k/v."""
-    if hasattr(model, "_aah_previous_attn_implementation"):
-        raise ValueError("calibrate a model that is not patched (aah.hf.unpatch it first)")
-    patch(model, torch.full((len(modules), model.config.num_attention_heads), seq_len), sink_tokens=0)
-    try:
-        for module, recorder in zip(modules, recorders):
-            setattr(module, RECORDER_ATTR, recorder)
-        yield
-    finally:
-        for module in modules:
-            if hasattr(module, RECORDER_ATTR):
-                delattr(module, RECORDER_ATTR)
-        unpatch(model)
 
 
 @torch.no_grad()
@@ -231,7 +222,7 @@ def measure_lost_mass(
         return record
 
     seq_len = int(batches[0].shape[-1])
-    with _recording(model, modules, [recorder(i, m) for i, m in enumerate(modules)], seq_len):
+    with recording(model, modules, [recorder(i, m) for i, m in enumerate(modules)], seq_len):
         for batch in tqdm(batches, desc="calibrate budgeted", disable=not progress):
             model(batch.to(model.device), use_cache=False)
     return torch.stack([t.cpu() for t in totals]) / len(batches)
@@ -250,12 +241,14 @@ def calibrate(
     seed: int = 0,
     progress: bool = False,
     scope: str = "layer",
+    measure: str = "lost_mass",
 ) -> torch.Tensor:
     """(num_layers, num_query_heads) windows for ``model`` chosen by ``policy``.
 
     ``batches`` are token id tensors (B, T) of one length T. ``candidates`` default to the
     paper's ladder ``T/8, T/4, T/2, T``. ``scope`` (``layer`` or ``model``) is where the
-    ``budgeted`` policy spends its budget. The model is left unpatched.
+    ``budgeted`` policy spends its budget and ``measure`` (``lost_mass`` or ``kl``) what it
+    minimises. The model is left unpatched.
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
@@ -274,18 +267,31 @@ def calibrate(
         window = uniform_window_for_budget(budget, seq_len, sink_tokens=sink_tokens)
         return torch.full((len(modules), heads), window, dtype=torch.int64)
     if policy == "budgeted":
-        return _run_budgeted(model, batches, budget, seq_len, candidates, sink_tokens, granularity, scope, progress)
+        return _run_budgeted(
+            model, batches, budget, seq_len, candidates, sink_tokens, granularity, scope, measure, seed, progress
+        )
     windows = _run_aah_v3(model, modules, batches, heads, seq_len, candidates, seed, progress)
     if granularity == "kv_group":
         windows = share_within_kv_groups(windows, _num_kv_heads(model))
     return windows
 
 
-def _run_budgeted(model, batches, budget, seq_len, candidates, sink_tokens, granularity, scope, progress):
-    """Measure the lost mass, then solve; a bad scope fails before any forward pass."""
+def _check_measure(measure: str) -> None:
+    if measure not in MEASURES:
+        raise ValueError(f"measure must be one of {', '.join(MEASURES)}; got {measure!r}")
+
+
+def _run_budgeted(
+    model, batches, budget, seq_len, candidates, sink_tokens, granularity, scope, measure, seed, progress
+):
+    """Measure what each window loses, then solve; a bad scope or measure fails before any forward pass."""
     _check_scope(scope)
+    _check_measure(measure)
     cands = resolve_candidates(seq_len, candidates)
-    lost = measure_lost_mass(model, batches, cands, sink_tokens=sink_tokens, progress=progress)
+    if measure == "kl":
+        lost = measure_window_kl(model, batches, cands, sink_tokens=sink_tokens, seed=seed, progress=progress)
+    else:
+        lost = measure_lost_mass(model, batches, cands, sink_tokens=sink_tokens, progress=progress)
     return budgeted_windows(
         lost, cands, budget, seq_len, sink_tokens=sink_tokens, num_kv_heads=_num_kv_heads(model),
         granularity=granularity, scope=scope,
@@ -298,7 +304,7 @@ def _run_aah_v3(model, modules, batches, heads, seq_len, candidates, seed, progr
     controllers = [
         HeadController(heads, config, max_seq_len=seq_len, layer_idx=i).train() for i in range(len(modules))
     ]
-    with _recording(model, modules, [c.control_update for c in controllers], seq_len):
+    with recording(model, modules, [c.control_update for c in controllers], seq_len):
         for step, batch in enumerate(tqdm(batches, desc="calibrate aah_v3", disable=not progress)):
             for controller in controllers:
                 controller.set_step(step)

@@ -51,6 +51,10 @@ def add_commands(subparsers) -> None:
     calibrate.add_argument("--budget", type=float, help="target causal coverage in (0, 1] (uniform, budgeted)")
     calibrate.add_argument("--scope", default="layer",
                            help="budgeted: spend the budget per layer (default) or over the whole model")
+    calibrate.add_argument("--measure", default="lost_mass",
+                           help="budgeted: minimise the lost attention mass (lost_mass, default) or the "
+                                "estimated KL from the full model (kl, one backward pass per block; "
+                                "use with --scope model)")
     calibrate.add_argument("--sink-tokens", type=int, default=4)
     calibrate.add_argument("--batches", type=int, default=4, help="calibration blocks (default 4)")
     calibrate.add_argument("--granularity", default="kv_group", help="kv_group (default) or head")
@@ -176,7 +180,7 @@ def _parse_candidates(text: str | None, seq_len: int) -> tuple[int, ...] | None:
 
 def _calibrate(args: argparse.Namespace) -> int:
     from ..windows import acr, causal_coverage
-    from .calibrate import GRANULARITIES, POLICIES, SCOPES, calibrate
+    from .calibrate import GRANULARITIES, MEASURES, POLICIES, SCOPES, calibrate
     from .windows_file import model_signature, save_windows
 
     if args.policy not in POLICIES:
@@ -185,6 +189,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         raise CLIError(f"--granularity must be one of {', '.join(GRANULARITIES)}; got {args.granularity!r}")
     if args.scope not in SCOPES:
         raise CLIError(f"--scope must be one of {', '.join(SCOPES)}; got {args.scope!r}")
+    if args.measure not in MEASURES:
+        raise CLIError(f"--measure must be one of {', '.join(MEASURES)}; got {args.measure!r}")
     if args.sink_tokens < 0:
         raise CLIError(f"--sink-tokens must be >= 0, got {args.sink_tokens}")
     candidates = _parse_candidates(args.candidates, args.seq_len)
@@ -196,7 +202,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         windows = calibrate(
             model, blocks.split(1), policy=args.policy, budget=args.budget, sink_tokens=args.sink_tokens,
             granularity=args.granularity, seed=args.seed, progress=True, scope=args.scope,
-            candidates=candidates,
+            candidates=candidates, measure=args.measure,
         )
     except ValueError as exc:
         raise CLIError(str(exc)) from None
@@ -209,6 +215,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         "sink_tokens": args.sink_tokens,
         "granularity": args.granularity,
         "scope": args.scope if args.policy == "budgeted" else None,
+        "measure": args.measure if args.policy == "budgeted" else None,
         "candidates": list(candidates) if candidates else None,
         "corpus": args.corpus,
         "batches": args.batches,

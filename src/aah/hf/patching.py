@@ -21,7 +21,8 @@ Packed sequences (several documents in one row) are not supported.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -33,7 +34,10 @@ from ..windows import as_window_tensor, check_sink_tokens
 from ._transformers import require
 from .windowed_kv import WindowedKV
 
-__all__ = ["AAH_IMPLEMENTATION", "LayerWindows", "attention_modules", "layer_specs", "patch", "patched_windows", "unpatch"]
+__all__ = [
+    "AAH_IMPLEMENTATION", "LayerWindows", "attention_modules", "layer_specs", "patch", "patched_windows", "recording",
+    "unpatch",
+]
 
 #: The name under which the attention and mask functions are registered.
 AAH_IMPLEMENTATION = "aah"
@@ -41,6 +45,8 @@ AAH_IMPLEMENTATION = "aah"
 _SPEC_ATTR = "aah_windows"
 #: A callable ``(q, k, v)`` set on an attention module sees its post-RoPE q/k/v (calibration).
 RECORDER_ATTR = "_aah_recorder"
+#: A callable ``(out)`` set on an attention module sees its (B, H, T, D) output (calibration).
+OUTPUT_RECORDER_ATTR = "_aah_output_recorder"
 _PREVIOUS_ATTR = "_aah_previous_attn_implementation"
 
 
@@ -232,6 +238,9 @@ def aah_attention(
         out = key.layer.attend(query, key, attention_mask, scaling, spec)
     else:
         out = attend_without_cache(query, key, value, attention_mask, scaling, spec, dropout=dropout)
+        output_recorder = getattr(module, OUTPUT_RECORDER_ATTR, None)
+        if output_recorder is not None:
+            output_recorder(out)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -314,3 +323,30 @@ def allowed_keys(
         own = (qpos[:, None] == torch.arange(kv_len, device=device)[None, :])[None, None]
         allowed = allowed | (empty & own)
     return allowed
+
+
+@contextmanager
+def recording(
+    model: torch.nn.Module,
+    modules: list,
+    recorders: Sequence[Callable],
+    seq_len: int,
+    output_recorders: Sequence[Callable] | None = None,
+) -> Iterator[None]:
+    """Run ``model`` at full attention with ``recorders[i]`` seeing layer ``i``'s post-RoPE q/k/v
+    and ``output_recorders[i]`` (if given) its attention output, then unpatch it."""
+    if hasattr(model, _PREVIOUS_ATTR):
+        raise ValueError("calibrate a model that is not patched (aah.hf.unpatch it first)")
+    patch(model, torch.full((len(modules), model.config.num_attention_heads), seq_len), sink_tokens=0)
+    attrs = [(RECORDER_ATTR, recorders)] + ([(OUTPUT_RECORDER_ATTR, output_recorders)] if output_recorders else [])
+    try:
+        for attr, callables in attrs:
+            for module, recorder in zip(modules, callables):
+                setattr(module, attr, recorder)
+        yield
+    finally:
+        for module in modules:
+            for attr, _ in attrs:
+                if hasattr(module, attr):
+                    delattr(module, attr)
+        unpatch(model)
