@@ -298,8 +298,10 @@ class LayerKVCache:
         self.unread = torch.full((1, num_chunks, self.chunk), _MASKED, device=self.device)
         self._buckets: list[_Bucket] = []
         first = 0
+        ring_start = {}
         for cap in sorted(set(self.capacities)):
             heads = [g for g, c in enumerate(self.capacities) if c == cap]
+            ring_start.update({g: first * self.chunk + i * cap for i, g in enumerate(heads)})
             wins = [self.windows[g * self.group : (g + 1) * self.group] for g in heads]
             consecutive = heads == list(range(heads[0], heads[0] + len(heads)))
             end = first + len(heads) * (cap // self.chunk)
@@ -317,6 +319,12 @@ class LayerKVCache:
                 )
             )
             first = end
+        # The decode step writes every KV head's new entry with one index copy into the flat
+        # storage: KV head g's ring starts at slot ``ring_start[g]`` and has ``capacities[g]`` slots.
+        self._ring_start = [ring_start[g] for g in range(num_kv_heads)]
+        self._flat_keys = self.keys.view(self.batch_size, -1, self.head_dim)
+        self._flat_values = self.values.view(self.batch_size, -1, self.head_dim)
+        self._flat_unread = self.unread.view(1, -1)
         if self.chunk >= MIN_CHUNK or len(self._buckets) == 1:
             self._plans = [_DecodePlan(self._buckets, self.chunk, self.keys, self.values, self.unread, num_kv_heads)]
         else:  # one call per capacity, each ring one chunk
@@ -432,13 +440,13 @@ class LayerKVCache:
         """
         b, h, _, d = q.shape
         dtype = torch.promote_types(q.dtype, self.dtype)
-        k1, v1 = k[:, :, 0].detach(), v[:, :, 0].detach()
-        for bucket in self._buckets:
-            slot = pos % bucket.capacity
-            bucket.keys[:, :, slot] = bucket.select(k1)
-            bucket.values[:, :, slot] = bucket.select(v1)
-            if pos < bucket.capacity:  # the ring is still filling
-                bucket.unread[:, :, slot] = 0.0
+        slots = torch.tensor(
+            [start + pos % cap for start, cap in zip(self._ring_start, self.capacities)], device=self.device
+        )
+        self._flat_keys.index_copy_(1, slots, k[:, :, 0].detach().to(self.dtype))
+        self._flat_values.index_copy_(1, slots, v[:, :, 0].detach().to(self.dtype))
+        if pos < max(self.capacities):  # some ring is still filling (a full ring's slots stay 0)
+            self._flat_unread.index_fill_(1, slots, 0.0)
         qg = q.reshape(b, self.num_kv_heads, self.group, d).to(dtype)
         outs = [plan.attend(qg, pos + 1, scale) for plan in self._plans]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
