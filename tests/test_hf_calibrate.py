@@ -15,7 +15,7 @@ tokenizers = pytest.importorskip("tokenizers")
 from aah.cli import main  # noqa: E402
 from aah.controller import HeadController  # noqa: E402
 from aah.controller.lost_mass import lost_mass  # noqa: E402
-from aah.hf.calibrate import (  # noqa: E402
+from aah.hf.calibration import (  # noqa: E402
     budgeted_windows,
     calibrate,
     measure_lost_mass,

@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 from .conftest import reference_attention  # noqa: E402
 
 from aah.cli import main  # noqa: E402
-from aah.hf.calibrate import budgeted_windows, calibrate  # noqa: E402
+from aah.hf.calibration import budgeted_windows, calibrate  # noqa: E402
 from aah.hf.loss_estimate import measure_window_kl, sampled_positions, window_output_change  # noqa: E402
 from aah.hf.windows_file import load_windows  # noqa: E402
 from aah.windows import causal_coverage  # noqa: E402
@@ -152,3 +152,12 @@ def test_calibrate_command_takes_the_kl_measure(tiny_model_dir, tmp_path, capsys
     capsys.readouterr()
     assert "--measure must be one of lost_mass, kl; got 'mass'" in _error([*base, "--measure", "mass", "--out", "x"],
                                                                           capsys)
+
+
+def test_the_package_exports_the_calibration_functions():
+    import aah.hf
+    from aah.hf import calibration, loss_estimate, windows_file
+
+    assert aah.hf.calibrate is calibration.calibrate and callable(aah.hf.calibrate)
+    assert aah.hf.measure_window_kl is loss_estimate.measure_window_kl
+    assert aah.hf.save_windows is windows_file.save_windows and aah.hf.load_windows is windows_file.load_windows

@@ -4,6 +4,9 @@
 window (plus ``S`` always-visible sink tokens) through transformers' ``AttentionInterface``;
 ``unpatch`` undoes it. ``new_cache(model)`` is a KV cache that keeps only each head's window
 and sinks; a patched model's ``generate`` uses one unless it is given another cache.
+``calibrate(model, batches, policy=...)`` chooses the windows on real text (``aah_v3``,
+``uniform`` or ``budgeted``, the last by lost mass or by the estimated KL each window adds);
+``save_windows`` / ``load_windows`` keep them in a safetensors file with their metadata.
 ``convert_gguf`` turns a GGUF checkpoint into a safetensors folder once, so that later loads
 are fast and fully offline.
 
@@ -25,6 +28,11 @@ _EXPORTS = {
     "cache_memory_bytes": "cache",
     "new_cache": "cache",
     "convert_gguf": "convert",
+    "calibrate": "calibration",
+    "measure_lost_mass": "calibration",
+    "measure_window_kl": "loss_estimate",
+    "save_windows": "windows_file",
+    "load_windows": "windows_file",
 }
 
 __all__ = sorted(_EXPORTS)

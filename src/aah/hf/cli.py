@@ -154,7 +154,7 @@ def _blocks(tokenizer, corpus: str, split: str, seq_len: int, count: int):
 
 def _check_budget(args: argparse.Namespace, candidates: tuple[int, ...] | None) -> None:
     """Refuse a missing or infeasible budget of a budget policy before the weights load."""
-    from .calibrate import check_policy_budget
+    from .calibration import check_policy_budget
 
     try:
         check_policy_budget(
@@ -168,7 +168,7 @@ def _parse_candidates(text: str | None, seq_len: int) -> tuple[int, ...] | None:
     """``--candidates`` as increasing windows in [1, seq_len], or a one-line error."""
     if text is None:
         return None
-    from .calibrate import resolve_candidates
+    from .calibration import resolve_candidates
 
     try:
         return resolve_candidates(seq_len, [int(w) for w in text.split(",") if w.strip()])
@@ -180,7 +180,7 @@ def _parse_candidates(text: str | None, seq_len: int) -> tuple[int, ...] | None:
 
 def _calibrate(args: argparse.Namespace) -> int:
     from ..windows import acr, causal_coverage
-    from .calibrate import GRANULARITIES, MEASURES, POLICIES, SCOPES, calibrate
+    from .calibration import GRANULARITIES, MEASURES, POLICIES, SCOPES, calibrate
     from .windows_file import model_signature, save_windows
 
     if args.policy not in POLICIES:

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from ..windows import acr, causal_coverage
 from ._transformers import require
 from .cache import cache_memory_bytes, new_cache
-from .calibrate import uniform_window_for_budget
+from .calibration import uniform_window_for_budget
 from .patching import patch, patched_windows, unpatch
 
 __all__ = ["Setting", "evaluate_settings", "markdown_table", "perplexity", "summary", "uniform_setting"]
