@@ -8,13 +8,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from .conftest import reference_attention  # noqa: E402
-
 from aah.cli import main  # noqa: E402
 from aah.hf.calibration import budgeted_windows, calibrate  # noqa: E402
 from aah.hf.loss_estimate import measure_window_kl, sampled_positions, window_output_change  # noqa: E402
 from aah.hf.windows_file import load_windows  # noqa: E402
 from aah.windows import causal_coverage  # noqa: E402
+
+from .conftest import reference_attention  # noqa: E402
 from .test_hf_calibrate import VOCAB, _batches, _error, _llama, tiny_model_dir  # noqa: E402,F401
 
 CANDS = (8, 16, 32, 64)
@@ -140,7 +140,7 @@ def test_budgeted_with_the_kl_measure_is_the_knapsack_over_the_estimate():
         calibrate(model, batches, policy="budgeted", budget=0.45, measure="loss")
 
 
-def test_calibrate_command_takes_the_kl_measure(tiny_model_dir, tmp_path, capsys):
+def test_calibrate_command_takes_the_kl_measure(tiny_model_dir, tmp_path, capsys):  # noqa: F811 (the fixture)
     model_dir, corpus = tiny_model_dir
     out = tmp_path / "kl.safetensors"
     base = ["hf", "calibrate", str(model_dir), "--corpus", str(corpus), "--seq-len", "64", "--policy", "budgeted",
