@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import aah
-from aah.backends import BackendUnavailable, backend_takes_sinks, executed_coverage, get_backend
+from aah.backends import backend_takes_sinks, executed_coverage, get_backend
 from aah.backends.auto import shape_key
 from aah.backends.banded import block_size, planned_entries
 from aah.backends.flex import FLEX_BLOCK, band_block_mask
@@ -179,17 +179,57 @@ def test_flex_cpu_forward_with_sinks_matches_reference():
 # ---------------------------------------------------------------- flash and auto
 
 
-def test_flash_refuses_sinks_by_name():
+def _fake_flash_attn_func(q, k, v, softmax_scale, causal, window_size, return_attn_probs=False):
+    """flash-attn's ``flash_attn_func`` contract written out densely, differentiable: (B, T, H, D)
+    tensors, grouped-query KV heads, keys ``i - left <= j <= i`` (``left = -1``: all), and with
+    ``return_attn_probs`` the log-sum-exp (B, H, T) of the scaled scores."""
+    assert causal
+    t, h = q.shape[1], q.shape[2]
+    k, v = (x.repeat_interleave(h // x.shape[2], dim=2) for x in (k, v))
+    scores = torch.einsum("bihd,bjhd->bhij", q, k) * softmax_scale
+    i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
+    left = window_size[0]
+    allowed = (j <= i) & ((j >= i - left) if left >= 0 else True)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    out = torch.einsum("bhij,bjhd->bihd", scores.softmax(-1), v)
+    return (out, torch.logsumexp(scores, -1), None) if return_attn_probs else out
+
+
+@pytest.mark.parametrize("sinks", [0, 1, 4, 24, 400])
+@pytest.mark.parametrize("b, h, h_kv, t, d, windows", SHAPES)
+def test_flash_with_sinks_matches_reference_through_flash_attn_contract(monkeypatch, b, h, h_kv, t, d, windows, sinks):
+    """The sink merge and the log-sum-exp gradient of the flash backend, forward and backward, with
+    flash-attn replaced by a float64 implementation of its public contract (flash needs CUDA)."""
+    import aah.backends.flash as flash_module
+
+    monkeypatch.setattr(flash_module, "_flash_attn_func", lambda: _fake_flash_attn_func)
+    monkeypatch.setattr(flash_module, "_FLASH_DTYPES", (torch.float64,))
+    q, k, v = _qkv(b, h, h_kv, t, d)
+    out = get_backend("flash").attend(q, k, v, tuple(windows), d**-0.5, sinks)
+    _check(out, q, k, v, windows, sinks, atol=1e-10, rtol=1e-10)
+
+
+def test_flash_takes_sinks():
     flash = get_backend("flash")
-    assert not flash.supports_sink_tokens
-    with pytest.raises(BackendUnavailable, match="backend 'flash' does not support sink_tokens"):
-        executed_coverage("flash", [8, 64], 64, sink_tokens=4)
-    # Sinks that every window already covers change nothing.
+    assert flash.supports_sink_tokens and backend_takes_sinks("flash", [8, 64], 64, 4)
+    assert executed_coverage("flash", [8, 64], 64, sink_tokens=4) == pytest.approx(
+        causal_coverage([8, 64], 64, sink_tokens=4)
+    )
     assert executed_coverage("flash", [64, 64], 64, sink_tokens=4) == pytest.approx(1.0)
-    assert not backend_takes_sinks("flash", [8, 64], 64, 4)
-    assert backend_takes_sinks("flash", [64, 64], 64, 4)
-    assert backend_takes_sinks("flash", [8, 64], 64, 0)
     assert backend_takes_sinks("auto", [8, 64], 64, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("h_kv", [4, 2])
+def test_flash_cuda_with_sinks_matches_reference(h_kv):
+    reason = get_backend("flash").unavailable_reason(torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(reason)
+    windows, sinks = [1, 100, 300, 64], 4
+    q, k, v = _qkv(2, 4, h_kv, 300, 64, dtype=torch.bfloat16, device="cuda")
+    out = aah.attend(q, k, v, windows, backend="flash", sink_tokens=sinks)
+    _check(out, q, k, v, windows, sinks, atol=3e-2, rtol=3e-2)
 
 
 def test_auto_shape_key_names_sinks_only_when_there_are_some():
@@ -206,6 +246,8 @@ def test_auto_leaves_out_backends_without_sinks(monkeypatch):
     monkeypatch.setattr(type(get_backend("flash")), "unavailable_reason", lambda self, device: None)
     cpu = torch.device("cpu")
     assert auto.candidates(cpu, torch.bfloat16, (8, 64), 64, False) == ["flash", "strips", "banded"]
+    assert auto.candidates(cpu, torch.bfloat16, (8, 64), 64, False, 4) == ["flash", "strips", "banded"]
+    monkeypatch.setattr(type(get_backend("flash")), "supports_sink_tokens", False)  # a backend without sinks
     assert auto.candidates(cpu, torch.bfloat16, (8, 64), 64, False, 4) == ["strips", "banded"]
     assert auto.candidates(cpu, torch.bfloat16, (64, 64), 64, False, 4)[0] == "flash"
 
@@ -226,6 +268,7 @@ def test_hf_unpadded_prompt_with_sinks_runs_through_attend(monkeypatch):
     _check(out, q, k, v, [3, 9, 9, 40], 2, atol=1e-10, rtol=1e-10)
     # A backend without sinks keeps the exact masked SDPA path.
     calls.clear()
+    monkeypatch.setattr(type(get_backend("flash")), "supports_sink_tokens", False)
     flash_spec = patching.LayerWindows((3, 9, 9, 40), (3, 9, 9, 40), 2, "flash")
     out = patching.attend_without_cache(q, k, v, None, None, flash_spec)
     assert not calls
@@ -248,17 +291,6 @@ def test_cuda_forward_and_backward_with_sinks(backend, h_kv):
     for sinks in (1, 4, 150, 300):
         out = aah.attend(q, k, v, windows, backend=backend, sink_tokens=sinks)
         _check(out, q, k, v, windows, sinks, atol=2e-4, rtol=1e-3)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_flash_cuda_refuses_sinks():
-    reason = get_backend("flash").unavailable_reason(torch.device("cuda"))
-    if reason is not None:
-        pytest.skip(reason)
-    q, k, v = _qkv(1, 4, 2, 300, 64, dtype=torch.bfloat16, device="cuda")
-    with pytest.raises(BackendUnavailable, match="backend 'flash' does not support sink_tokens"):
-        aah.attend(q, k, v, [1, 100, 300, 64], backend="flash", sink_tokens=4)
 
 
 # ---------------------------------------------------------------- benchmark

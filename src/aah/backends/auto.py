@@ -12,8 +12,7 @@ once.
 * Candidates: ``strips`` and ``banded`` on CPU; ``flash``, ``flex`` and
   ``banded`` on CUDA; plus ``sdpa`` when every window covers the sequence.
   Only backends that can run the request (device, dtype, backward, sinks)
-  compete; with sink tokens that some window misses ``flash`` is left out (it
-  does not support them).
+  compete.
 * Shape key: device, dtype, batch, heads, KV heads, length, head dim, the set
   of distinct windows (clamped to the length), the sink tokens (only when
   ``S > 0``: keys without sinks are those of before), and whether a backward

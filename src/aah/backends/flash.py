@@ -18,10 +18,16 @@ this band rounded out to its tile grid (128-row query tiles, 64 to 128-key
 tiles depending on head dim and GPU): the figure is a lower bound, within
 about ``tile / W`` of the truth.
 
-Sink tokens are not supported: a request with ``sink_tokens > 0`` and a window
-shorter than the sequence raises ``BackendUnavailable`` (its sinks would need a
-second kernel merged by log-sum-exp); with every window covering the sequence
-the sinks change nothing and the call runs as usual.
+Sink tokens (:mod:`aah.backends.sinks`): a window group whose window misses
+some sinks runs ``flash_attn_func(..., return_attn_probs=True)`` for its output
+and log-sum-exp, and the few sink keys outside the window are merged into the
+rows that miss them by log-sum-exp. The merge needs the gradient of the
+window's log-sum-exp, which flash-attn does not give, so the group runs
+through :class:`_FlashWithLse`: its backward recomputes the window call for the
+output's gradients and adds the log-sum-exp's with one more call whose values
+are the keys (``dL/dq_i = scale * sum_j P_ij k_j`` is that call's output,
+``dL/dk_j = scale * sum_i dL_i P_ij q_i`` its value gradient). Only flash-attn's
+public ``flash_attn_func`` is used.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ import torch
 from ..windows import causal_coverage
 from .banded import gather_group, restore_head_order
 from .base import AttentionBackend, BackendUnavailable
-from .sinks import sink_span
+from .sinks import merge_sinks, sink_span
 
 __all__ = ["FlashBackend"]
 
@@ -44,9 +50,40 @@ def _flash_attn_func():
     return importlib.import_module("flash_attn").flash_attn_func
 
 
+class _FlashWithLse(torch.autograd.Function):
+    """flash-attn's output (B, T, H, D) and log-sum-exp (B, H, T), both differentiable."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, window_size):
+        out, lse, _ = _flash_attn_func()(
+            q, k, v, softmax_scale=scale, causal=True, window_size=window_size, return_attn_probs=True
+        )
+        ctx.save_for_backward(q, k, v)
+        ctx.scale, ctx.window_size = scale, window_size
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v = ctx.saved_tensors
+        flash = _flash_attn_func()
+        kwargs = {"softmax_scale": ctx.scale, "causal": True, "window_size": ctx.window_size}
+        with torch.enable_grad():
+            q_, k_, v_ = (x.detach().requires_grad_() for x in (q, k, v))
+            out = flash(q_, k_, v_, **kwargs)
+            dq, dk, dv = torch.autograd.grad(out, (q_, k_, v_), grad_out)
+            if grad_lse is not None:
+                keys_as_values = k.detach().requires_grad_()
+                pk = flash(q.detach(), k.detach(), keys_as_values, **kwargs)  # sum_j P_ij k_j
+                wide = torch.promote_types(q.dtype, torch.float32)
+                g = (grad_lse.to(wide) * ctx.scale).transpose(1, 2)[..., None]  # (B, T, H, 1)
+                (dk_lse,) = torch.autograd.grad(pk, keys_as_values, (g * q.to(wide)).to(q.dtype))
+                dq = dq + (g * pk.detach().to(wide)).to(dq.dtype)
+                dk = dk + dk_lse
+        return dq, dk, dv, None, None
+
+
 class FlashBackend(AttentionBackend):
     name = "flash"
-    supports_sink_tokens = False
     description = (
         "flash-attn sliding-window kernel (window_size=(W-1, 0)) per window group; "
         "CUDA, float16/bfloat16"
@@ -63,7 +100,6 @@ class FlashBackend(AttentionBackend):
         return None
 
     def attend(self, q, k, v, windows, scale, sink_tokens=0):
-        _refuse_sinks(windows, q.shape[2], sink_tokens)
         if q.dtype not in _FLASH_DTYPES:
             raise BackendUnavailable(
                 f"backend 'flash' needs float16 or bfloat16 inputs, got {q.dtype}; "
@@ -79,28 +115,27 @@ class FlashBackend(AttentionBackend):
         for w, heads in sorted(by_window.items()):
             q_g, k_g, v_g, heads = gather_group(q, k, v, heads, group)
             window_size = (-1, -1) if w >= t else (w - 1, 0)
-            o = flash(
-                q_g.transpose(1, 2),
-                k_g.transpose(1, 2),
-                v_g.transpose(1, 2),
-                softmax_scale=scale,
-                causal=True,
-                window_size=window_size,
-            )
-            outputs.append(o.transpose(1, 2))
+            qt, kt, vt = (x.transpose(1, 2) for x in (q_g, k_g, v_g))
+            span = sink_span(w, t, sink_tokens)
+            if span == 0:
+                o = flash(qt, kt, vt, softmax_scale=scale, causal=True, window_size=window_size).transpose(1, 2)
+            else:
+                o = _with_sinks(q_g, k_g, v_g, *_FlashWithLse.apply(qt, kt, vt, scale, window_size), w, span, scale)
+            outputs.append(o)
             order.extend(heads)
         return restore_head_order(outputs, order)
 
     def executed_coverage(self, windows, seq_len, sink_tokens=0):
-        _refuse_sinks(windows, seq_len, sink_tokens)
-        return causal_coverage(windows, seq_len)
+        return causal_coverage(windows, seq_len, sink_tokens=sink_tokens)
 
 
-def _refuse_sinks(windows: tuple[int, ...], seq_len: int, sink_tokens: int) -> None:
-    """Sinks that some window misses are not supported: say so rather than run something else."""
-    if any(sink_span(w, seq_len, sink_tokens) for w in windows):
-        raise BackendUnavailable(
-            f"backend 'flash' does not support sink_tokens > 0 (got {sink_tokens}) with windows "
-            f"shorter than the sequence; use 'flex' or 'banded' (or 'auto', which skips 'flash')"
-        )
+def _with_sinks(q, k, v, out_t, lse, window, span, scale):
+    """(B, h, T, D): the window output ``out_t`` (B, T, h, D) with the ``span`` sinks merged
+    into the rows ``[window, T)`` that miss them (``lse`` (B, h, T) of the window part)."""
+    repeat = q.shape[1] // k.shape[1]  # query heads per KV head within the group
+    k_sink = k[:, :, :span].repeat_interleave(repeat, dim=1)
+    v_sink = v[:, :, :span].repeat_interleave(repeat, dim=1)
+    out = out_t.transpose(1, 2)
+    merged, _ = merge_sinks(q[:, :, window:], k_sink, v_sink, scale, out[:, :, window:], lse[:, :, window:])
+    return torch.cat([out[:, :, :window], merged], dim=2)
 

@@ -33,7 +33,7 @@ counted figures; their ``executed_coverage`` still says what they compute.
 With ``sink_tokens = S > 0`` every windowed backend also keeps the first ``S``
 keys (:mod:`aah.windows`), and the coverage and ideal figures count them; the
 ``sdpa`` baseline is full causal attention, which sinks do not change.
-Backends without sink support (``flash``) do not run then.
+Backends without sink support do not run then.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ How a call is executed:
 
 * an unpadded prompt without a cache (the prefill) runs through :func:`aah.attend`, sinks
   included, so the chosen backend skips the work outside each window and its sinks;
-* padded batches, queries that follow cached keys, and sinks on a backend that has none
-  (``flash``) run fused SDPA with an exact boolean mask: correct, but they do not skip work.
+* padded batches and queries that follow cached keys run fused SDPA with an exact boolean
+  mask: correct, but they do not skip work.
 
 A head never sees more than its layer allows: in a layer with its own sliding window (Mistral,
 Qwen3's sliding layers) a head's window is ``min(W_h, sliding_window)`` and that layer keeps
@@ -257,8 +257,8 @@ def attend_without_cache(
     """(B, H, Tq, D) attention over plain keys that end at the last query.
 
     Unpadded prompts run through :func:`aah.attend`, sinks included (work outside the windows
-    and sinks is skipped), except on a backend without sink support (``flash``) when some
-    window misses a sink; everything else runs fused SDPA with the exact boolean mask.
+    and sinks is skipped), unless the backend cannot take the sinks; everything else runs fused
+    SDPA with the exact boolean mask.
     """
     q_len, kv_len = query.shape[2], key.shape[2]
     if attention_mask is None and q_len == kv_len and not dropout:
