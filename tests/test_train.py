@@ -300,13 +300,14 @@ def test_stop_signal_finishes_the_step_checkpoints_and_resume_matches_uninterrup
     overrides = tiny_overrides(corpus, tmp_path / "cache", steps=8) + ["eval.every=0", "model.dropout=0.1"]
     full = train(load_config(None, overrides), tmp_path / "full")
     run = tmp_path / "stopped"
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}  # default, or ignored under nohup
     with monkeypatch.context() as m:
         signal_during_step(m, 4, sig)  # the fifth step finishes, then the run stops at step 5
         stopped = train(load_config(None, overrides), run)
     assert (stopped.status, stopped.step) == ("interrupted", 5)
     assert [s for s, _ in list_checkpoints(run)] == [4, 5]
     assert json.loads((run / "meta.json").read_text())["status"] == "interrupted"
-    assert signal.getsignal(sig) is not None and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert {s: signal.getsignal(s) for s in before} == before  # the handlers are given back
     resumed = train(load_config(run / "config.yaml"), run, resume=True)
     assert (resumed.status, resumed.step) == ("complete", 8)
     assert resumed.last_loss == full.last_loss
