@@ -9,8 +9,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from aah.cli import main  # noqa: E402
+from aah.controller.features import sample_query_positions  # noqa: E402
 from aah.hf.calibration import budgeted_windows, calibrate  # noqa: E402
-from aah.hf.loss_estimate import measure_window_kl, sampled_positions, window_output_change  # noqa: E402
+from aah.hf.loss_estimate import measure_window_kl, window_output_change  # noqa: E402
 from aah.hf.windows_file import load_windows  # noqa: E402
 from aah.windows import causal_coverage  # noqa: E402
 
@@ -40,9 +41,9 @@ def test_window_output_change_equals_the_float64_reference(heads, kv_heads, sink
 
 
 def test_sampled_positions_are_even_and_end_at_the_last():
-    assert sampled_positions(64, 4).tolist() == [0, 21, 42, 63]
-    assert sampled_positions(8, 100).tolist() == list(range(8))
-    assert sampled_positions(10, 1).tolist() == [9]
+    assert sample_query_positions(64, 4, 0).tolist() == [0, 21, 42, 63]
+    assert sample_query_positions(8, 100, 0).tolist() == list(range(8))
+    assert sample_query_positions(10, 1, 0).tolist() == [9]
 
 
 def _reference_terms(model, batch, labels, windows, sinks):
@@ -97,7 +98,7 @@ def test_window_kl_is_half_the_squared_gradient_times_output_change(sinks):
     assert float(got[..., -1].abs().max()) == 0.0 and float(got.min()) >= 0.0
     assert float(got.max()) > 1e-6  # the model does depend on what the windows cut off
     sampled = measure_window_kl(model, [batch], CANDS, sink_tokens=sinks, num_queries=5, labels=[labels])
-    positions = sampled_positions(64, 5)
+    positions = sample_query_positions(64, 5, 0)
     expected = 0.5 * terms[:, :, positions].square().sum(2) * (64 / 5) / 63
     torch.testing.assert_close(sampled.double(), expected, atol=1e-9, rtol=1e-4)
 

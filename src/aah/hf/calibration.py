@@ -54,6 +54,7 @@ __all__ = [
     "measure_lost_mass",
     "budgeted_windows",
     "check_budgeted_budget",
+    "check_choice",
     "check_policy_budget",
 ]
 
@@ -142,15 +143,15 @@ def check_policy_budget(
         check_budgeted_budget(budget, resolve_candidates(seq_len, candidates), seq_len, sink_tokens=sink_tokens)
 
 
-def _check_scope(scope: str) -> None:
-    if scope not in SCOPES:
-        raise ValueError(f"scope must be one of {', '.join(SCOPES)}; got {scope!r}")
+def check_choice(name: str, value: str, allowed: Sequence[str]) -> None:
+    """``ValueError`` naming ``name`` and the allowed values when ``value`` is not one of them."""
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
 
 
 def _items(num_heads: int, num_kv_heads: int, granularity: str) -> list[list[int]]:
     """The query heads of each knapsack item of one layer: single heads or KV groups."""
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}; got {granularity!r}")
+    check_choice("granularity", granularity, GRANULARITIES)
     if granularity == "head":
         return [[h] for h in range(num_heads)]
     per = num_heads // num_kv_heads
@@ -176,7 +177,7 @@ def budgeted_windows(
     or a KV group of ``H / num_kv_heads`` heads) takes one candidate; the knapsack is solved
     per layer or, with ``scope="model"``, once over all layers.
     """
-    _check_scope(scope)
+    check_choice("scope", scope, SCOPES)
     num_layers, num_heads, k = lost.shape
     if k != len(candidates):
         raise ValueError(f"lost has {k} windows but there are {len(candidates)} candidates")
@@ -250,10 +251,8 @@ def calibrate(
     ``budgeted`` policy spends its budget and ``measure`` (``lost_mass`` or ``kl``) what it
     minimises. The model is left unpatched.
     """
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {', '.join(POLICIES)}; got {policy!r}")
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity must be one of {', '.join(GRANULARITIES)}; got {granularity!r}")
+    check_choice("policy", policy, POLICIES)
+    check_choice("granularity", granularity, GRANULARITIES)
     batches = list(batches)
     if not batches:
         raise ValueError("calibration needs at least one batch")
@@ -276,17 +275,12 @@ def calibrate(
     return windows
 
 
-def _check_measure(measure: str) -> None:
-    if measure not in MEASURES:
-        raise ValueError(f"measure must be one of {', '.join(MEASURES)}; got {measure!r}")
-
-
 def _run_budgeted(
     model, batches, budget, seq_len, candidates, sink_tokens, granularity, scope, measure, seed, progress
 ):
     """Measure what each window loses, then solve; a bad scope or measure fails before any forward pass."""
-    _check_scope(scope)
-    _check_measure(measure)
+    check_choice("scope", scope, SCOPES)
+    check_choice("measure", measure, MEASURES)
     cands = resolve_candidates(seq_len, candidates)
     if measure == "kl":
         lost = measure_window_kl(model, batches, cands, sink_tokens=sink_tokens, seed=seed, progress=progress)

@@ -180,17 +180,15 @@ def _parse_candidates(text: str | None, seq_len: int) -> tuple[int, ...] | None:
 
 def _calibrate(args: argparse.Namespace) -> int:
     from ..windows import acr, causal_coverage
-    from .calibration import GRANULARITIES, MEASURES, POLICIES, SCOPES, calibrate
+    from .calibration import GRANULARITIES, MEASURES, POLICIES, SCOPES, calibrate, check_choice
     from .windows_file import model_signature, save_windows
 
-    if args.policy not in POLICIES:
-        raise CLIError(f"--policy must be one of {', '.join(POLICIES)}; got {args.policy!r}")
-    if args.granularity not in GRANULARITIES:
-        raise CLIError(f"--granularity must be one of {', '.join(GRANULARITIES)}; got {args.granularity!r}")
-    if args.scope not in SCOPES:
-        raise CLIError(f"--scope must be one of {', '.join(SCOPES)}; got {args.scope!r}")
-    if args.measure not in MEASURES:
-        raise CLIError(f"--measure must be one of {', '.join(MEASURES)}; got {args.measure!r}")
+    try:
+        for flag, allowed in (("policy", POLICIES), ("granularity", GRANULARITIES), ("scope", SCOPES),
+                              ("measure", MEASURES)):
+            check_choice(f"--{flag}", getattr(args, flag), allowed)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
     if args.sink_tokens < 0:
         raise CLIError(f"--sink-tokens must be >= 0, got {args.sink_tokens}")
     candidates = _parse_candidates(args.candidates, args.seq_len)

@@ -40,15 +40,10 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ..controller.features import sample_query_positions
 from .patching import attention_modules, recording
 
-__all__ = ["window_output_change", "sampled_positions", "measure_window_kl"]
-
-
-def sampled_positions(seq_len: int, num_queries: int) -> torch.Tensor:
-    """``num_queries`` evenly spaced query positions in ``[0, seq_len)``, always the last one."""
-    count = max(1, min(int(num_queries), seq_len))
-    return torch.linspace(seq_len - 1, 0, count).round().long().flip(0).unique()
+__all__ = ["window_output_change", "measure_window_kl"]
 
 
 @torch.no_grad()
@@ -141,7 +136,7 @@ def measure_window_kl(
     """
     modules = attention_modules(model)
     seq_len = int(batches[0].shape[-1])
-    positions = sampled_positions(seq_len, num_queries)
+    positions = sample_query_positions(seq_len, num_queries, 0)
     weight = seq_len / len(positions)
     totals = torch.zeros(len(modules), model.config.num_attention_heads, len(candidates), dtype=torch.float64)
     changes: list[torch.Tensor | None] = [None] * len(modules)
