@@ -94,3 +94,21 @@ def test_bench_grid_cli_validates_options(tmp_path, capsys):
     assert main(["bench", "grid", "--mixes", "nope", "--seq-lens", "32", "--out", str(tmp_path / "g.json")]) == 2
     assert "--mixes: unknown mix 'nope'" in capsys.readouterr().err
     assert not (tmp_path / "g.json").exists()
+
+
+def test_bench_grid_resume_keeps_finished_cells_and_refuses_other_settings(tmp_path):
+    out = tmp_path / "grid.json"
+    small = dict(seq_lens=(32,), head_dims=(8,), batches=(1,), heads=4, layers=1, backends=("strips",),
+                 train_head_dims=(), repeats=1, out_json=out, log=lambda msg: None)
+    first = run_grid(mixes=("full_adaptive",), **small)
+    seen = []
+    resumed = run_grid(mixes=("full_adaptive", "grouping_off"), resume=True, **{**small, "log": seen.append})
+    assert resumed["rows"][0] == first["rows"][0]  # kept as measured, not re-timed
+    assert [r["mix"] for r in resumed["rows"]] == ["full_adaptive", "grouping_off"]
+    assert "kept from" in seen[0] and "kept from" not in seen[1]
+    assert json.loads(out.read_text())["rows"] == resumed["rows"]
+    with pytest.raises(ValueError, match=r"other settings \(repeats\)"):
+        run_grid(mixes=("full_adaptive",), resume=True, **{**small, "repeats": 2})
+    out.write_text("not json")
+    with pytest.raises(ValueError, match="not a grid JSON file"):
+        run_grid(mixes=("full_adaptive",), resume=True, **small)

@@ -16,7 +16,9 @@ at best:
   over its step time; ``speedup_limit`` is the inverse.
 
 The JSON file is rewritten after every cell (a crash loses nothing) and the
-markdown table next to it; progress goes to stderr.
+markdown table next to it; progress goes to stderr. With ``resume`` (``--resume``)
+the cells already in that file are kept and only the missing ones run, so a
+long grid can be stopped and continued (the settings must be the same).
 """
 
 from __future__ import annotations
@@ -71,9 +73,14 @@ def run_grid(
     out_json: str | Path = "bench_grid.json",
     out_md: str | Path | None = None,
     device: str = "cpu",
+    resume: bool = False,
     log=None,
 ) -> dict:
-    """Run the grid; returns the JSON-ready result, also written to ``out_json`` cell by cell."""
+    """Run the grid; returns the JSON-ready result, also written to ``out_json`` cell by cell.
+
+    ``resume`` keeps the rows of an existing ``out_json`` written with the same
+    settings and runs only the cells it lacks (``ValueError`` when the settings differ).
+    """
     for mix in mixes:
         if mix not in MIXES:
             raise ValueError(f"--mixes: unknown mix {mix!r}; choose from {', '.join(MIXES)}")
@@ -93,8 +100,13 @@ def run_grid(
                    "device": device},
         "rows": [],
     }
+    done, earlier_s = _earlier_rows(out_json, result["config"]) if resume else ({}, 0.0)
     started = time.perf_counter()
     for index, (t, d, b, mix) in enumerate(cells, 1):
+        if (t, d, b, mix) in done:
+            result["rows"].append(done[(t, d, b, mix)])
+            log(f"[{index}/{len(cells)}] T={t} D={d} B={b} mix={mix}: kept from {out_json}")
+            continue
         log(f"[{index}/{len(cells)}] T={t} D={d} B={b} mix={mix} ({time.perf_counter() - started:.0f} s so far)")
         common = dict(seq_len=t, heads=heads, head_dim=d, batch=b, mix=mix, backends=list(backends),
                       repeats=repeats, warmup=1, device=device)
@@ -116,11 +128,33 @@ def run_grid(
                 "step_ratio_limit": limit_ratio, "speedup_limit": 1.0 / limit_ratio,
             }
         result["rows"].append(row)
-        result["elapsed_s"] = time.perf_counter() - started
+        result["elapsed_s"] = earlier_s + time.perf_counter() - started
         _write_atomic(out_json, json.dumps(result, indent=1))
         _write_atomic(out_md, format_markdown(result))
     log(f"done: {len(cells)} cells in {time.perf_counter() - started:.0f} s; wrote {out_json} and {out_md}")
     return result
+
+
+def _cell_key(row: dict) -> tuple:
+    return (row["seq_len"], row["head_dim"], row["batch"], row["mix"])
+
+
+def _earlier_rows(path: Path, config: dict) -> tuple[dict, float]:
+    """Rows of an earlier run of the same grid at ``path``, by cell, and its elapsed seconds."""
+    if not path.exists():
+        return {}, 0.0
+    try:
+        earlier = json.loads(path.read_text())
+        earlier_config, rows = earlier["config"], earlier["rows"]
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"--resume: {path} is not a grid JSON file") from None
+    changed = sorted(k for k in set(config) | set(earlier_config) if config.get(k) != earlier_config.get(k))
+    if changed:
+        raise ValueError(
+            f"--resume: {path} was written with other settings ({', '.join(changed)}); "
+            "use the same options or another --out"
+        )
+    return {_cell_key(row): row for row in rows}, float(earlier.get("elapsed_s", 0.0))
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -197,6 +231,8 @@ def add_command(bench_subparsers) -> None:
     p.add_argument("--out", default="bench_grid.json", help="JSON output (default bench_grid.json; the "
                    "markdown table goes next to it with suffix .md)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the cells already in --out (same settings) and run only the missing ones")
     p.set_defaults(func=_run)
 
 
@@ -210,6 +246,7 @@ def _run(args: argparse.Namespace) -> int:
             batches=_ints(args.batches, "--batches") if args.batches else None, mixes=mixes,
             heads=args.heads, layers=args.layers, backends=backends, train_head_dims=train_dims,
             repeats=args.repeats, train_repeats=args.train_repeats, out_json=args.out, device=args.device,
+            resume=args.resume,
         )
     except ValueError as exc:
         raise CLIError(f"grid: {exc}") from None

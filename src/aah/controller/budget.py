@@ -184,17 +184,22 @@ def choose_windows(
 
     ``lost`` is (items, K): the lost mass of each item (summed over its heads)
     at each candidate; ``costs`` the per-head pair count of each candidate
-    (:func:`window_costs`); ``sizes`` the heads per item (default 1). The
-    capacity counts ``total_heads`` heads (default: the sum of ``sizes``).
+    (:func:`window_costs`), one list for every item or one row per item (items
+    whose heads execute a candidate differently, e.g. in a layer with its own
+    sliding window); ``sizes`` the heads per item (default 1). The capacity
+    counts ``total_heads`` heads (default: the sum of ``sizes``).
     """
     lost_m = _as_float_matrix(lost, "lost")
     n, k = lost_m.shape
-    if len(costs) != k:
-        raise ValueError(f"costs has {len(costs)} entries but lost has {k} windows")
+    per_head = np.asarray(costs, dtype=np.int64)
+    if per_head.ndim == 1:
+        per_head = np.broadcast_to(per_head, (n, per_head.size))
+    if per_head.shape != (n, k):
+        raise ValueError(f"costs must have {k} entries (or {n} rows of {k}), got shape {per_head.shape}")
     sizes = [1] * n if sizes is None else [int(s) for s in sizes]
     if len(sizes) != n or any(s < 1 for s in sizes):
         raise ValueError(f"sizes must be {n} positive head counts, got {sizes}")
-    cost_m = np.asarray(sizes, dtype=np.int64)[:, None] * np.asarray(costs, dtype=np.int64)[None, :]
+    cost_m = np.asarray(sizes, dtype=np.int64)[:, None] * per_head
     heads = sum(sizes) if total_heads is None else total_heads
     return solve_knapsack(lost_m, cost_m, budget_capacity(budget, heads, seq_len), allowed)
 

@@ -22,7 +22,7 @@ import torch
 
 from .features import SampledScores, sample_scores
 
-__all__ = ["lost_mass", "lost_mass_from_probs"]
+__all__ = ["lost_mass", "lost_mass_from_probs", "within_context"]
 
 
 def lost_mass_from_probs(
@@ -45,6 +45,17 @@ def lost_mass_from_probs(
     return torch.stack(out, dim=-1)
 
 
+def within_context(probs: torch.Tensor, positions: torch.Tensor, context: int) -> torch.Tensor:
+    """Causal attention rows ``probs`` (..., S, T) of queries at ``positions`` (S,) restricted to
+    keys at distance ``< context`` and renormalised: what a layer with that sliding window computes."""
+    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+        raise ValueError(f"context must be a positive window, got {context!r}")
+    keys = torch.arange(probs.shape[-1], device=probs.device)
+    visible = (positions.to(probs.device)[:, None] - keys[None, :]) < context
+    kept = probs * visible.to(probs.dtype)
+    return kept / kept.sum(-1, keepdim=True)
+
+
 @torch.no_grad()
 def lost_mass(
     q: torch.Tensor,
@@ -56,6 +67,7 @@ def lost_mass(
     scale: float | None = None,
     sampled: SampledScores | None = None,
     sink_tokens: int = 0,
+    context: int | None = None,
 ) -> torch.Tensor:
     """Lost mass per query head and window, shape (H, K), float32.
 
@@ -66,7 +78,11 @@ def lost_mass(
     the last position. ``sampled`` passes the scores
     :func:`~aah.controller.features.sample_scores` computed for those queries
     (a control update shares them with the diagnostics). Mass on the
-    ``sink_tokens`` first keys is not lost (they stay visible).
+    ``sink_tokens`` first keys is not lost (they stay visible). ``context``
+    is the layer's own window, where it has one (a pretrained model's sliding
+    layer): its queries attend only to keys at distance ``< context``, so the
+    rows are renormalised over those keys and no window at or above
+    ``context`` loses anything.
     """
     if not windows:
         raise ValueError("windows must name at least one window")
@@ -78,4 +94,6 @@ def lost_mass(
     else:
         sampled.check(seq_len, num_queries, first, scale)
     probs = sampled.causal_probs()
+    if context is not None:
+        probs = within_context(probs, sampled.positions, context)
     return lost_mass_from_probs(probs, sampled.positions, windows, sink_tokens=sink_tokens).mean(dim=0).float()

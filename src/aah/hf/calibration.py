@@ -41,7 +41,7 @@ from ..controller.selection import share_within_kv_groups as share_row
 from ..regimes import get as get_regime
 from ..windows import candidate_windows, causal_coverage, causal_pairs
 from .loss_estimate import measure_window_kl
-from .patching import attention_modules, recording
+from .patching import attention_modules, layer_sinks, layer_sliding_window, recording
 
 __all__ = [
     "POLICIES",
@@ -108,9 +108,15 @@ def resolve_candidates(seq_len: int, candidates: Sequence[int] | None) -> tuple[
     return cands
 
 
-def _window_pairs(candidates: Sequence[int], seq_len: int, sink_tokens: int) -> list[int]:
-    """Allowed (query, key) pairs of one head per candidate, sinks counted."""
-    return [causal_pairs(w, seq_len, sink_tokens=sink_tokens) for w in candidates]
+def _window_pairs(
+    candidates: Sequence[int], seq_len: int, sink_tokens: int, layer_window: int | None = None
+) -> list[int]:
+    """Allowed (query, key) pairs of one head per candidate, sinks counted, as the patched layer
+    executes it: capped by the layer's own sliding window, without sinks there."""
+    if layer_window is None:
+        return [causal_pairs(w, seq_len, sink_tokens=sink_tokens) for w in candidates]
+    sinks = layer_sinks(sink_tokens, layer_window)
+    return [causal_pairs(min(w, int(layer_window)), seq_len, sink_tokens=sinks) for w in candidates]
 
 
 def check_budgeted_budget(
@@ -168,6 +174,7 @@ def budgeted_windows(
     num_kv_heads: int | None = None,
     granularity: str = "kv_group",
     scope: str = "layer",
+    layer_windows: Sequence[int | None] | None = None,
 ) -> torch.Tensor:
     """(L, H) windows minimising the summed ``lost`` with causal coverage ``<= budget``.
 
@@ -175,7 +182,10 @@ def budgeted_windows(
     :func:`measure_lost_mass` or the loss estimate of
     :func:`~aah.hf.loss_estimate.measure_window_kl`. Every item (a head,
     or a KV group of ``H / num_kv_heads`` heads) takes one candidate; the knapsack is solved
-    per layer or, with ``scope="model"``, once over all layers.
+    per layer or, with ``scope="model"``, once over all layers. ``layer_windows`` gives each
+    layer's own sliding window (``None``: none), so a window is costed as that layer runs it
+    (see :func:`_window_pairs`): the coverage spent is the executed one, which
+    :func:`~aah.hf.evaluate.effective_coverage` reports.
     """
     check_choice("scope", scope, SCOPES)
     num_layers, num_heads, k = lost.shape
@@ -183,14 +193,21 @@ def budgeted_windows(
         raise ValueError(f"lost has {k} windows but there are {len(candidates)} candidates")
     check_budgeted_budget(budget, candidates, seq_len, sink_tokens=sink_tokens)
     items = _items(num_heads, num_kv_heads or num_heads, granularity)
-    costs = _window_pairs(candidates, seq_len, sink_tokens)
+    layer_windows = [None] * num_layers if layer_windows is None else list(layer_windows)
+    if len(layer_windows) != num_layers:
+        raise ValueError(f"layer_windows must name {num_layers} layers, got {len(layer_windows)}")
+    costs = [_window_pairs(candidates, seq_len, sink_tokens, lw) for lw in layer_windows]
     item_lost = [torch.stack([lost[layer, heads].double().sum(0) for heads in items]) for layer in range(num_layers)]
     sizes = [len(heads) for heads in items]
     if scope == "model":
-        flat = choose_windows(torch.cat(item_lost), costs, budget, seq_len, sizes=sizes * num_layers)
+        rows = [layer_costs for layer_costs in costs for _ in items]
+        flat = choose_windows(torch.cat(item_lost), rows, budget, seq_len, sizes=sizes * num_layers)
         choices = [flat[i * len(items) : (i + 1) * len(items)] for i in range(num_layers)]
     else:
-        choices = [choose_windows(table, costs, budget, seq_len, sizes=sizes) for table in item_lost]
+        choices = [
+            choose_windows(table, layer_costs, budget, seq_len, sizes=sizes)
+            for table, layer_costs in zip(item_lost, costs)
+        ]
     out = torch.empty(num_layers, num_heads, dtype=torch.int64)
     for layer, choice in enumerate(choices):
         for heads, c in zip(items, choice):
@@ -210,14 +227,20 @@ def measure_lost_mass(
     """(L, H, K) lost mass of every query head at every candidate, averaged over ``batches``.
 
     Each layer's real post-RoPE q/k (its own softmax scale) go to
-    :func:`aah.controller.lost_mass.lost_mass`; mass on the sinks is not lost.
+    :func:`aah.controller.lost_mass.lost_mass`; mass on the sinks is not lost. A layer with
+    its own sliding window is measured within it, without sinks (what the patched layer runs).
     """
     modules = attention_modules(model)
     totals: list[torch.Tensor | None] = [None] * len(modules)
 
     def recorder(layer: int, module) -> Callable:
+        context = layer_sliding_window(model, module)
+        sinks = layer_sinks(sink_tokens, context)
+
         def record(q, k, v) -> None:
-            current = lost_mass(q, k, candidates, scale=getattr(module, "scaling", None), sink_tokens=sink_tokens)
+            current = lost_mass(
+                q, k, candidates, scale=getattr(module, "scaling", None), sink_tokens=sinks, context=context
+            )
             totals[layer] = current if totals[layer] is None else totals[layer] + current
 
         return record
@@ -289,6 +312,7 @@ def _run_budgeted(
     return budgeted_windows(
         lost, cands, budget, seq_len, sink_tokens=sink_tokens, num_kv_heads=_num_kv_heads(model),
         granularity=granularity, scope=scope,
+        layer_windows=[layer_sliding_window(model, m) for m in attention_modules(model)],
     )
 
 

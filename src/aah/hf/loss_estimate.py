@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..controller.features import sample_query_positions
-from .patching import attention_modules, recording
+from .patching import attention_modules, layer_sinks, layer_sliding_window, recording
 
 __all__ = ["window_output_change", "measure_window_kl"]
 
@@ -56,6 +56,7 @@ def window_output_change(
     *,
     scale: float,
     sink_tokens: int = 0,
+    context: int | None = None,
 ) -> torch.Tensor:
     """(B, H, S, K, D) change of each head's output at ``positions`` under each candidate window.
 
@@ -63,8 +64,9 @@ def window_output_change(
     head ``h`` reads KV head ``h // (H / H_kv)``). Entry ``[..., s, c, :]`` is
     ``o(W_c) - o`` for the query at ``positions[s]``: the output when the query sees keys
     ``j`` with ``i - W_c < j <= i`` or ``j < sink_tokens``, minus the output over its whole
-    causal context; exactly 0 where the window cuts nothing. Computed in float32, whatever
-    the model's dtype.
+    causal context; exactly 0 where the window cuts nothing. ``context`` is the layer's own
+    window where it has one (a sliding layer): both outputs then see only keys at distance
+    ``< context``. Computed in float32, whatever the model's dtype.
     """
     b, h, seq_len, d = q.shape
     kv = k.shape[1]
@@ -74,7 +76,10 @@ def window_output_change(
     keys = torch.arange(seq_len, device=q.device)
     distance = pos[:, None] - keys[None, :]  # (S, T)
     scores = torch.einsum("bngsd,bntd->bngst", qs, k.float()) * scale
-    probs = scores.masked_fill(distance < 0, float("-inf")).softmax(-1)
+    hidden = distance < 0
+    if context is not None:
+        hidden = hidden | (distance >= int(context))
+    probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
     values = v.float()
     full = torch.einsum("bngst,bntd->bngsd", probs, values)
     changes = []
@@ -82,7 +87,7 @@ def window_output_change(
         keep = (distance < int(w)) | (keys[None, :] < sink_tokens)
         kept = probs * keep.to(probs.dtype)
         windowed = torch.einsum("bngst,bntd->bngsd", kept, values) / kept.sum(-1, keepdim=True)
-        cuts = ((distance >= 0) & ~keep).any(-1)[:, None]  # (S, 1): exactly 0 where nothing is cut
+        cuts = (~hidden & ~keep).any(-1)[:, None]  # (S, 1): exactly 0 where nothing is cut
         changes.append(torch.where(cuts, windowed - full, torch.zeros((), dtype=full.dtype)))
     return torch.stack(changes, dim=-2).reshape(b, h, len(pos), len(windows), d)
 
@@ -132,7 +137,8 @@ def measure_window_kl(
     ``batches`` are token ids (B, T). The labels are sampled from the full model's predictions
     with a generator seeded by ``seed``, unless ``labels`` gives them, one (B, T - 1) tensor
     per batch (the text's own next tokens give the empirical Fisher instead). The model must
-    be unpatched; it runs at full attention.
+    be unpatched; it runs at full attention, each layer within its own sliding window if it has
+    one (where the patched layer keeps no sinks, see :meth:`~aah.hf.patching.LayerWindows.build`).
     """
     modules = attention_modules(model)
     seq_len = int(batches[0].shape[-1])
@@ -142,10 +148,14 @@ def measure_window_kl(
     changes: list[torch.Tensor | None] = [None] * len(modules)
 
     def on_qkv(layer: int, module) -> Callable:
+        context = layer_sliding_window(model, module)
+        sinks = layer_sinks(sink_tokens, context)
+
         def record(q, k, v) -> None:
             scale = getattr(module, "scaling", None) or q.shape[-1] ** -0.5
             changes[layer] = window_output_change(
-                q.detach(), k.detach(), v.detach(), positions, candidates, scale=scale, sink_tokens=sink_tokens
+                q.detach(), k.detach(), v.detach(), positions, candidates, scale=scale, sink_tokens=sinks,
+                context=context,
             )
 
         return record

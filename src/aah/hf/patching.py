@@ -70,7 +70,12 @@ class LayerWindows:
         if layer_window is None:
             return cls(requested, requested, sink_tokens, backend, None)
         capped = tuple(min(w, int(layer_window)) for w in requested)
-        return cls(requested, capped, 0, backend, int(layer_window))
+        return cls(requested, capped, layer_sinks(sink_tokens, layer_window), backend, int(layer_window))
+
+
+def layer_sinks(sink_tokens: int, layer_window: int | None) -> int:
+    """The sinks a layer keeps: none in a layer with its own sliding window, which must not see beyond it."""
+    return sink_tokens if layer_window is None else 0
 
 
 def layer_sliding_window(model: torch.nn.Module, module: torch.nn.Module) -> int | None:
