@@ -107,6 +107,11 @@ def test_bench_grid_resume_keeps_finished_cells_and_refuses_other_settings(tmp_p
     assert [r["mix"] for r in resumed["rows"]] == ["full_adaptive", "grouping_off"]
     assert "kept from" in seen[0] and "kept from" not in seen[1]
     assert json.loads(out.read_text())["rows"] == resumed["rows"]
+    # The kept cells are written too when they come last.
+    out.write_text(json.dumps({**json.loads(out.read_text()), "rows": resumed["rows"][1:]}))
+    again = run_grid(mixes=("full_adaptive", "grouping_off"), resume=True, **small)
+    assert again["rows"][1] == resumed["rows"][1]
+    assert json.loads(out.read_text())["rows"] == again["rows"] and len(again["rows"]) == 2
     with pytest.raises(ValueError, match=r"other settings \(repeats\)"):
         run_grid(mixes=("full_adaptive",), resume=True, **{**small, "repeats": 2})
     out.write_text("not json")

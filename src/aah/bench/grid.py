@@ -103,36 +103,48 @@ def run_grid(
     done, earlier_s = _earlier_rows(out_json, result["config"]) if resume else ({}, 0.0)
     started = time.perf_counter()
     for index, (t, d, b, mix) in enumerate(cells, 1):
-        if (t, d, b, mix) in done:
-            result["rows"].append(done[(t, d, b, mix)])
-            log(f"[{index}/{len(cells)}] T={t} D={d} B={b} mix={mix}: kept from {out_json}")
-            continue
-        log(f"[{index}/{len(cells)}] T={t} D={d} B={b} mix={mix} ({time.perf_counter() - started:.0f} s so far)")
-        common = dict(seq_len=t, heads=heads, head_dim=d, batch=b, mix=mix, backends=list(backends),
-                      repeats=repeats, warmup=1, device=device)
-        fwd = bench_attention(backward=False, **common)
-        bwd = bench_attention(backward=True, **common)
-        row = {
-            "seq_len": t, "head_dim": d, "batch": b, "mix": mix, "windows": fwd["config"]["windows"],
-            "causal_coverage": fwd["config"]["causal_coverage"],
-            "forward": _attention_row(fwd), "forward_backward": _attention_row(bwd), "train": None,
-        }
-        if d in train_head_dims:
-            tr = bench_train(seq_len=t, layers=layers, d_model=heads * d, heads=heads, batch=b, mix=mix,
-                             repeats=train_repeats, device=device, regime=None)
-            share = min(1.0, layers * row["forward_backward"]["sdpa_ms"] / tr["full_step_ms"])
-            limit_ratio = 1.0 - share * (1.0 - row["causal_coverage"])
-            row["train"] = {
-                "speedup": tr["speedup"], "full_step_ms": tr["full_step_ms"], "aah_step_ms": tr["aah_step_ms"],
-                "backend_aah": tr["backend_aah"], "attention_share": share,
-                "step_ratio_limit": limit_ratio, "speedup_limit": 1.0 / limit_ratio,
-            }
+        cell = f"[{index}/{len(cells)}] T={t} D={d} B={b} mix={mix}"
+        row = done.get((t, d, b, mix))
+        if row is None:
+            log(f"{cell} ({time.perf_counter() - started:.0f} s so far)")
+            row = _measure_cell(t, d, b, mix, heads=heads, layers=layers, backends=backends,
+                                train=d in train_head_dims, repeats=repeats, train_repeats=train_repeats,
+                                device=device)
+        else:
+            log(f"{cell}: kept from {out_json}")
         result["rows"].append(row)
         result["elapsed_s"] = earlier_s + time.perf_counter() - started
         _write_atomic(out_json, json.dumps(result, indent=1))
         _write_atomic(out_md, format_markdown(result))
     log(f"done: {len(cells)} cells in {time.perf_counter() - started:.0f} s; wrote {out_json} and {out_md}")
     return result
+
+
+def _measure_cell(
+    t: int, d: int, b: int, mix: str, *, heads: int, layers: int, backends: tuple[str, ...], train: bool,
+    repeats: int, train_repeats: int, device: str,
+) -> dict:
+    """One row of the grid: attention forward and forward + backward, and the training step if ``train``."""
+    common = dict(seq_len=t, heads=heads, head_dim=d, batch=b, mix=mix, backends=list(backends),
+                  repeats=repeats, warmup=1, device=device)
+    fwd = bench_attention(backward=False, **common)
+    bwd = bench_attention(backward=True, **common)
+    row = {
+        "seq_len": t, "head_dim": d, "batch": b, "mix": mix, "windows": fwd["config"]["windows"],
+        "causal_coverage": fwd["config"]["causal_coverage"],
+        "forward": _attention_row(fwd), "forward_backward": _attention_row(bwd), "train": None,
+    }
+    if train:
+        tr = bench_train(seq_len=t, layers=layers, d_model=heads * d, heads=heads, batch=b, mix=mix,
+                         repeats=train_repeats, device=device, regime=None)
+        share = min(1.0, layers * row["forward_backward"]["sdpa_ms"] / tr["full_step_ms"])
+        limit_ratio = 1.0 - share * (1.0 - row["causal_coverage"])
+        row["train"] = {
+            "speedup": tr["speedup"], "full_step_ms": tr["full_step_ms"], "aah_step_ms": tr["aah_step_ms"],
+            "backend_aah": tr["backend_aah"], "attention_share": share,
+            "step_ratio_limit": limit_ratio, "speedup_limit": 1.0 / limit_ratio,
+        }
+    return row
 
 
 def _cell_key(row: dict) -> tuple:
