@@ -333,3 +333,22 @@ def test_cli_clear_error_without_run_folders(tmp_path: Path, capsys):
     assert "no run folders found" in capsys.readouterr().err
     assert main(["report", str(tmp_path / "missing")]) == 2
     assert "no such file or folder" in capsys.readouterr().err
+
+
+def test_training_table_speed_vs_full_is_paired_by_seed(tmp_path: Path):
+    root = tmp_path / "speed"
+    for seed in range(3):
+        make_run(root, "full_attention", seed, 3.0, acr=None, tokens_per_s=1000.0 + 100 * seed)
+    for seed, tps in enumerate([1100.0, 1320.0, 1380.0]):  # ratios 1.10, 1.20, 1.15
+        make_run(root, "full_adaptive", seed, 3.0, tokens_per_s=tps)
+    make_run(root, "shallow_freeze", 2, 3.0, tokens_per_s=1080.0)  # seed 2 only: 1080 / 1200
+    runs, _ = load_runs([root])
+    table = training_table(runs)
+    rows = {row[0]: row for row in table.rows}
+    # mean 0.15, sd 0.05, t(0.975, 2) = 4.303: half width 4.303 * 0.05 / sqrt(3) = 0.1242.
+    assert rows["Full adaptive"][8] == "1.15x [1.03, 1.27]*"
+    assert rows["Shallow freeze"][8] == "0.90x (CI n/a, n=1)"
+    assert rows["Full attention"][8] == "reference"
+    csv_row = dict(zip(table.csv_columns, table.csv_rows[[r[0] for r in table.rows].index("Full adaptive")]))
+    assert csv_row["speed_vs_full"] == pytest.approx(1.15)
+    assert csv_row["speed_ci_low"] == pytest.approx(1.15 - 4.302653 * 0.05 / 3 ** 0.5, abs=1e-5)

@@ -170,6 +170,29 @@ def _final_val_loss(run: Run) -> float | None:
     return run.final_val_loss()
 
 
+def speed_vs_reference(runs: Sequence[Run], reference: Sequence[Run] | None) -> PairedDifference | None:
+    """Training tokens/s over the reference's, paired by seed, as ``ratio - 1`` with its 95% interval."""
+    if not reference:
+        return None
+    ours = _by_seed(runs, Run.train_tokens_per_s)
+    theirs = _by_seed(reference, Run.train_tokens_per_s)
+    ratios = {seed: ours[seed] / theirs[seed] for seed in ours.keys() & theirs.keys() if theirs[seed] > 0}
+    if not ratios:
+        return None
+    return paired_difference(ratios, {seed: 1.0 for seed in ratios})
+
+
+def format_speed(diff: PairedDifference | None) -> str:
+    """``1.17x [1.12, 1.22]*`` (``*``: the interval excludes 1); ``(CI n/a)`` with one seed."""
+    if diff is None:
+        return NOT_LOGGED
+    text = f"{1 + diff.mean:.2f}x"
+    if diff.ci is None:
+        return f"{text} (CI n/a, n=1)"
+    mark = SIGNIFICANT if diff.significant else ""
+    return f"{text} [{1 + diff.ci[0]:.2f}, {1 + diff.ci[1]:.2f}]{mark}"
+
+
 def training_table(runs: Sequence[Run]) -> Table:
     """Final training-loop numbers per regime (paper Table 4)."""
     groups = group_by_regime(runs)
@@ -177,10 +200,10 @@ def training_table(runs: Sequence[Run]) -> Table:
     table = Table(
         title="Training: final validation loss, routing diagnostics and measured cost",
         columns=["Regime", "Seeds", "Val loss (mean ± sd)", "Δ vs full (95% CI)",
-                 "ACR", "Causal coverage", "Tokens/s", "Peak memory (MB)"],
+                 "ACR", "Causal coverage", "Tokens/s", "Peak memory (MB)", "Speed vs full (95% CI)"],
         csv_columns=["regime", "name", "n_seeds", "seeds", "val_loss_mean", "val_loss_std",
                       *_DIFF_CSV_COLUMNS, "acr", "causal_coverage", "tokens_per_s",
-                      "peak_mem_mb", "final_step"],
+                      "peak_mem_mb", "final_step", "speed_vs_full", "speed_ci_low", "speed_ci_high"],
     )
     for regime, group in groups.items():
         losses = _values(group, _final_val_loss)
@@ -190,15 +213,23 @@ def training_table(runs: Sequence[Run]) -> Table:
         tps = mean(_values(group, lambda r: r.train_tokens_per_s()))
         mem = mean(_values(group, Run.peak_mem_mb))
         steps = [r.final_step for r in group if r.final_step is not None]
+        speed = None if regime == FULL_ATTENTION else speed_vs_reference(group, reference)
+        speed_ci = (speed.ci if speed is not None else None) or (None, None)
         table.rows.append([display_name(regime), str(len(group)), _fmt_mean_std(losses),
-                           delta_text, _fmt(acr, 4), _fmt(cov, 4), _fmt(tps, 0), _fmt(mem, 1)])
+                           delta_text, _fmt(acr, 4), _fmt(cov, 4), _fmt(tps, 0), _fmt(mem, 1),
+                           "reference" if regime == FULL_ATTENTION else format_speed(speed)])
         table.csv_rows.append([regime, display_name(regime), len(group), _seeds(group),
                                mean(losses), sample_std(losses), *_diff_csv(diff), acr, cov,
-                               tps, mem, max(steps) if steps else None])
+                               tps, mem, max(steps) if steps else None,
+                               None if speed is None else 1 + speed.mean,
+                               *(None if c is None else 1 + c for c in speed_ci)])
     table.notes = _difference_notes("full attention", groups) + [
         "Val loss: last validation of the training loop. ACR and causal coverage: last logged "
         "training step. Tokens/s: median over the second half of training. Peak memory: largest "
-        "value logged. Means over seeds."
+        "value logged. Means over seeds.",
+        f"Speed vs full: training tokens/s over full attention's, paired by seed; 95% Student-t "
+        f"interval; {SIGNIFICANT} = interval excludes 1. Runs of a suite share the machine in turn, "
+        "so compare runs made under the same conditions (threads, --jobs).",
     ]
     return table
 
