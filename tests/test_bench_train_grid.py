@@ -112,6 +112,11 @@ def test_bench_grid_resume_keeps_finished_cells_and_refuses_other_settings(tmp_p
     again = run_grid(mixes=("full_adaptive", "grouping_off"), resume=True, **small)
     assert again["rows"][1] == resumed["rows"][1]
     assert json.loads(out.read_text())["rows"] == again["rows"] and len(again["rows"]) == 2
+    # A grid over other cells keeps the earlier ones in the file, after its own.
+    wider = run_grid(mixes=("full_adaptive",), resume=True, **{**small, "seq_lens": (16,)})
+    assert [(r["seq_len"], r["mix"]) for r in wider["rows"]] == [
+        (16, "full_adaptive"), (32, "full_adaptive"), (32, "grouping_off")]
+    assert json.loads(out.read_text())["rows"] == wider["rows"]
     with pytest.raises(ValueError, match=r"other settings \(repeats\)"):
         run_grid(mixes=("full_adaptive",), resume=True, **{**small, "repeats": 2})
     out.write_text("not json")

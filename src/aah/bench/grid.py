@@ -79,7 +79,8 @@ def run_grid(
     """Run the grid; returns the JSON-ready result, also written to ``out_json`` cell by cell.
 
     ``resume`` keeps the rows of an existing ``out_json`` written with the same
-    settings and runs only the cells it lacks (``ValueError`` when the settings differ).
+    settings and runs only the cells it lacks (``ValueError`` when the settings differ);
+    its rows for cells this grid does not name stay in the file, after this grid's.
     """
     for mix in mixes:
         if mix not in MIXES:
@@ -101,6 +102,10 @@ def run_grid(
         "rows": [],
     }
     done, earlier_s = _earlier_rows(out_json, result["config"]) if resume else ({}, 0.0)
+    # Cells of the earlier file that this grid does not name are kept after its own.
+    others = [row for key, row in done.items() if key not in set(cells)]
+    if others:
+        log(f"keeping {len(others)} other cells of {out_json}")
     started = time.perf_counter()
     for index, (t, d, b, mix) in enumerate(cells, 1):
         cell = f"[{index}/{len(cells)}] T={t} D={d} B={b} mix={mix}"
@@ -114,8 +119,10 @@ def run_grid(
             log(f"{cell}: kept from {out_json}")
         result["rows"].append(row)
         result["elapsed_s"] = earlier_s + time.perf_counter() - started
-        _write_atomic(out_json, json.dumps(result, indent=1))
-        _write_atomic(out_md, format_markdown(result))
+        on_disk = {**result, "rows": result["rows"] + others}
+        _write_atomic(out_json, json.dumps(on_disk, indent=1))
+        _write_atomic(out_md, format_markdown(on_disk))
+    result["rows"] += others
     log(f"done: {len(cells)} cells in {time.perf_counter() - started:.0f} s; wrote {out_json} and {out_md}")
     return result
 
