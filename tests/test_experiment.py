@@ -102,3 +102,48 @@ def test_changed_overrides_do_not_reuse_old_runs(tiny_suite, tmp_path):
     assert len(failures) == 2
     assert all("different config" in detail and "optim.lr" in detail for _, _, detail in failures)
     assert all((d / "eval.json").stat().st_mtime_ns == t for d, t in before.items())
+
+
+def _fake_calls(monkeypatch, behaviour):
+    """Replace the run subprocesses of a suite by ``behaviour(cmd) -> exit status``; returns the calls."""
+    import aah.experiment.suite as suite_module
+
+    calls = []
+
+    def call(cmd, **kwargs):
+        calls.append(cmd[3:5] if cmd[3] == "train" and cmd[4] == "--resume" else cmd[3:4])
+        return behaviour(cmd)
+
+    monkeypatch.setattr(suite_module.subprocess, "call", call)
+    return calls
+
+
+def test_a_run_stopped_by_a_signal_stops_the_suite(tiny_suite, tmp_path, monkeypatch, capsys):
+    calls = _fake_calls(monkeypatch, lambda cmd: 130)  # the first run is interrupted
+    code = run_experiment(str(tiny_suite), str(tmp_path / "out"), None, 1)
+    assert code == 130
+    assert calls == [["train"]]  # no other run started, and the stopped one is not evaluated
+    err = capsys.readouterr().err
+    assert "stopped; 4 runs left" in err and "not started: the suite was stopped" in err
+    assert "run the same command again to resume" in err and "failed" not in err
+
+
+def test_sigterm_to_the_suite_starts_no_new_run_and_restores_the_handlers(tiny_suite, tmp_path, monkeypatch):
+    import os
+    import signal
+    import time
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def train_then_signal(cmd):
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives while the first run trains
+        time.sleep(0.5)  # the run goes on a while: the main thread handles the signal meanwhile
+        return 0
+
+    calls = _fake_calls(monkeypatch, train_then_signal)
+    specs, failures = run_suite(load_suite(tiny_suite), tmp_path / "out")
+    assert calls == [["train"]]  # its evaluation and the other runs were left
+    assert [f[1] for f in failures] == [130] * 4
+    assert failures[0][2].startswith("trained, not evaluated")
+    assert {f[2] for f in failures[1:]} == {"not started: the suite was stopped"}
+    assert {sig: signal.getsignal(sig) for sig in before} == before

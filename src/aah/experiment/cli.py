@@ -9,7 +9,7 @@ from pathlib import Path
 from ..config import ConfigError
 from ..errors import CLIError
 from ..report import main_table_text, write_report
-from .suite import load_suite, run_suite
+from .suite import INTERRUPTED, load_suite, run_suite
 
 
 def add_commands(subparsers) -> None:
@@ -46,16 +46,24 @@ def run_experiment(suite_path: str, out: str | None, seeds, jobs: int, overrides
         )
     except ConfigError as exc:
         raise CLIError(str(exc)) from None
+    stopped = [f for f in failures if f[1] == INTERRUPTED]
     for spec, code, detail in failures:
-        print(f"run {spec.name} failed (exit {code}): {detail}", file=sys.stderr)
+        if code != INTERRUPTED:
+            print(f"run {spec.name} failed (exit {code}): {detail}", file=sys.stderr)
+    if stopped:
+        print(f"aah experiment: stopped; {len(stopped)} runs left ("
+              + ", ".join(f"{spec.name}: {detail}" for spec, _, detail in stopped)
+              + f"); run the same command again to resume them", file=sys.stderr)
     done = [s.run_dir for s in specs if (s.run_dir / "meta.json").is_file()]
     if not done:
         print("aah experiment: no run produced results", file=sys.stderr)
-        return 1
+        return INTERRUPTED if stopped else 1
     report = write_report(done, out_dir / "report")
     print(main_table_text(done))
     print(f"\nreport: {report}")
     print(f"figures: {report.parent}/*.png")
+    if stopped:
+        return INTERRUPTED
     return 1 if failures else 0
 
 

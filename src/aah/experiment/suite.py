@@ -27,10 +27,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -204,7 +206,14 @@ def _command(spec: RunSpec, state: str) -> list[list[str]]:
     return steps
 
 
-def _execute(spec: RunSpec, threads: int) -> tuple[RunSpec, int, str]:
+#: Exit status of a run stopped by a signal after writing its checkpoint (``aah train``).
+INTERRUPTED = 130
+NOT_STARTED = "not started: the suite was stopped"
+
+
+def _execute(spec: RunSpec, threads: int, stopping: threading.Event) -> tuple[RunSpec, int, str]:
+    if stopping.is_set():
+        return spec, INTERRUPTED, NOT_STARTED
     state = run_state(spec.run_dir)
     mismatch = config_mismatch(spec) if state != "fresh" else None
     if mismatch:
@@ -212,14 +221,44 @@ def _execute(spec: RunSpec, threads: int) -> tuple[RunSpec, int, str]:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     spec.run_dir.parent.mkdir(parents=True, exist_ok=True)
     log_path = spec.run_dir.parent / f"seed{spec.seed}.log"
-    for cmd in _command(spec, state):
+    for index, cmd in enumerate(_command(spec, state)):
+        if index and stopping.is_set():  # trained, but the suite is stopping: leave the evaluation
+            return spec, INTERRUPTED, f"trained, not evaluated; see {log_path}"
         with open(log_path, "a") as log:
             log.write("$ " + " ".join(cmd) + "\n")
             log.flush()
             code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         if code != 0:
+            if code == INTERRUPTED:
+                stopping.set()  # the run was stopped by a signal: start no more
             return spec, code, f"see {log_path}"
     return spec, 0, f"see {log_path}"
+
+
+@contextmanager
+def _stop_on_signals(stopping: threading.Event):
+    """SIGINT and SIGTERM set ``stopping`` (no new run starts) instead of killing the suite.
+
+    The running ``aah train`` processes share the suite's process group, so a Ctrl-C or a
+    signal to the group reaches them too: each finishes its step, writes a checkpoint and
+    exits, and the next ``aah experiment`` resumes it. Outside the main thread nothing changes.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handle(signum, frame) -> None:
+        if not stopping.is_set():
+            print("\nstop requested: no new run starts; running ones stop after their checkpoint",
+                  file=sys.stderr)
+        stopping.set()
+
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def run_suite(
@@ -230,7 +269,11 @@ def run_suite(
     jobs: int = 1,
     extra_overrides: tuple[str, ...] = (),
 ) -> tuple[list[RunSpec], list[tuple[RunSpec, int, str]]]:
-    """Run every pending (regime, seed); returns the plan and the failures (spec, code, detail)."""
+    """Run every pending (regime, seed); returns the plan and the failures (spec, code, detail).
+
+    A run stopped by a signal (exit status :data:`INTERRUPTED`), or SIGINT / SIGTERM to the
+    suite, stops it: no further run starts, and those left are failures with that status.
+    """
     out_dir = Path(out_dir)
     specs = plan_runs(suite, out_dir, seeds, extra_overrides)
     cores = os.cpu_count() or 1
@@ -240,6 +283,7 @@ def run_suite(
     total_steps = sum(s.max_steps for s in specs)
     bar = tqdm(total=total_steps, desc=f"suite {suite.name}", unit="step", dynamic_ncols=True)
     stop = threading.Event()
+    stopping = threading.Event()
 
     def monitor() -> None:
         while not stop.wait(1.0):
@@ -249,8 +293,8 @@ def run_suite(
     watcher = threading.Thread(target=monitor, daemon=True)
     watcher.start()
     try:
-        with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            for spec, code, log in pool.map(lambda s: _execute(s, threads), pending):
+        with _stop_on_signals(stopping), ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+            for spec, code, log in pool.map(lambda s: _execute(s, threads, stopping), pending):
                 bar.set_postfix_str(f"{spec.name} {'ok' if code == 0 else 'FAILED'}")
                 if code != 0:
                     failures.append((spec, code, log))
