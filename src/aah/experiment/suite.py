@@ -282,11 +282,11 @@ def run_suite(
     pending = [s for s in specs if run_state(s.run_dir) != "done" or config_mismatch(s)]
     total_steps = sum(s.max_steps for s in specs)
     bar = tqdm(total=total_steps, desc=f"suite {suite.name}", unit="step", dynamic_ncols=True)
-    stop = threading.Event()
+    finished = threading.Event()
     stopping = threading.Event()
 
     def monitor() -> None:
-        while not stop.wait(1.0):
+        while not finished.wait(1.0):
             bar.n = sum(min(s.max_steps, _logged_step(s.run_dir)) for s in specs)
             bar.refresh()
 
@@ -295,11 +295,12 @@ def run_suite(
     try:
         with _stop_on_signals(stopping), ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
             for spec, code, log in pool.map(lambda s: _execute(s, threads, stopping), pending):
-                bar.set_postfix_str(f"{spec.name} {'ok' if code == 0 else 'FAILED'}")
+                outcome = "ok" if code == 0 else "stopped" if code == INTERRUPTED else "FAILED"
+                bar.set_postfix_str(f"{spec.name} {outcome}")
                 if code != 0:
                     failures.append((spec, code, log))
     finally:
-        stop.set()
+        finished.set()
         watcher.join()
         bar.n = sum(min(s.max_steps, _logged_step(s.run_dir)) for s in specs)
         bar.close()
