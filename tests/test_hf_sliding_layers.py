@@ -14,7 +14,8 @@ transformers = pytest.importorskip("transformers")
 from aah import hf  # noqa: E402
 from aah.controller.budget import budget_capacity, choose_windows  # noqa: E402
 from aah.controller.lost_mass import lost_mass, within_context  # noqa: E402
-from aah.hf.calibration import budgeted_windows, calibrate, measure_lost_mass  # noqa: E402
+from aah.hf.calibration import budgeted_windows, calibrate, measure_lost_mass, uniform_window_for_budget  # noqa: E402
+from aah.hf.evaluate import Setting, uniform_setting  # noqa: E402
 from aah.hf.loss_estimate import measure_window_kl, window_output_change  # noqa: E402
 from aah.windows import causal_coverage, causal_pairs  # noqa: E402
 
@@ -127,3 +128,40 @@ def test_calibrating_a_qwen3_sliding_layer_measures_within_it_and_spends_the_exe
     assert pairs <= budget_capacity(0.45, 8, T)
     # Layer 1 costs at most coverage(12) whatever it gets, so layer 0 may exceed 0.45 on its own.
     assert causal_coverage(executed[0], T, sink_tokens=4) > 0.45
+
+
+def _executed(windows_rows, layer_windows, sinks):
+    """Causal coverage of windows as the layers run them (capped, no sinks in a sliding layer)."""
+    heads = sum(len(row) for row in windows_rows)
+    return _executed_pairs(windows_rows, layer_windows, sinks) / (heads * T * (T + 1) // 2)
+
+
+def test_executed_coverage_counts_what_each_layer_runs():
+    model = _qwen3_with_a_sliding_layer()
+    windows = torch.tensor([[8, 16, 32, 64], [8, 16, 32, 64]])
+    hf.patch(model, windows, sink_tokens=4)
+    try:
+        ratio, coverage = hf.executed_coverage(model, T)
+    finally:
+        hf.unpatch(model)
+    assert coverage == pytest.approx(_executed(windows.tolist(), [None, SLIDING], 4))
+    # ACR: min(W + S, T) / T in layer 0; min(W, 12) / T, no sinks, in layer 1.
+    want = (sum(min(w + 4, T) for w in (8, 16, 32, 64)) + sum(min(w, SLIDING) for w in (8, 16, 32, 64))) / (8 * T)
+    assert ratio == pytest.approx(want)
+    assert coverage < causal_coverage(windows, T, sink_tokens=4)  # what the requested windows would cost
+
+
+def test_uniform_policy_and_the_eval_baseline_match_the_executed_coverage():
+    model = _qwen3_with_a_sliding_layer()
+    layer_windows = [None, SLIDING]
+    window = calibrate(model, _batches(1), policy="uniform", budget=0.45, sink_tokens=4)
+    w = int(window[0, 0])
+    assert torch.equal(window, torch.full((2, 4), w))
+    # The largest window whose executed coverage is within the budget, found by brute force.
+    fits = [v for v in range(1, T + 1) if _executed([[v] * 4] * 2, layer_windows, 4) <= 0.45]
+    assert w == max(fits) and w > uniform_window_for_budget(0.45, T, sink_tokens=4)
+    aah = Setting("aah", torch.tensor([[8, 8, 64, 64], [8, 8, 8, 8]]), 4)
+    uniform = uniform_setting(model, aah, T)
+    target = _executed(aah.windows.tolist(), layer_windows, 4)
+    u = int(uniform.windows[0, 0])
+    assert _executed([[u] * 4] * 2, layer_windows, 4) <= target < _executed([[u + 1] * 4] * 2, layer_windows, 4)

@@ -23,6 +23,7 @@ _EXPORTS = {
     "LayerWindows": "patching",
     "patch": "patching",
     "patched_windows": "patching",
+    "executed_coverage": "patching",
     "unpatch": "patching",
     "WindowCacheLayer": "cache",
     "cache_memory_bytes": "cache",

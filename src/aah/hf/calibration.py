@@ -64,8 +64,15 @@ SCOPES = ("layer", "model")
 MEASURES = ("lost_mass", "kl")
 
 
-def uniform_window_for_budget(budget: float, seq_len: int, *, sink_tokens: int = 0) -> int:
-    """The largest window ``W`` whose causal coverage at ``seq_len`` (with sinks) is ``<= budget``."""
+def uniform_window_for_budget(
+    budget: float, seq_len: int, *, sink_tokens: int = 0, layer_windows: Sequence[int | None] | None = None
+) -> int:
+    """The largest window ``W`` whose causal coverage at ``seq_len`` (with sinks) is ``<= budget``.
+
+    With ``layer_windows`` (each layer's own sliding window, ``None`` for none) the coverage
+    is the executed one of ``W`` in every layer: ``min(W, sliding window)`` without sinks in a
+    sliding layer (:func:`_window_pairs`), averaged over the layers.
+    """
     if not 0.0 < budget <= 1.0:
         raise ValueError(f"budget must be in (0, 1], got {budget}")
     smallest = causal_coverage([1], seq_len, sink_tokens=sink_tokens)
@@ -74,10 +81,16 @@ def uniform_window_for_budget(budget: float, seq_len: int, *, sink_tokens: int =
             f"budget {budget} is below the causal coverage of a window of 1 with {sink_tokens} "
             f"sink tokens at length {seq_len} ({smallest:.4f})"
         )
+    layers = [None] if not layer_windows else list(layer_windows)
+    full = seq_len * (seq_len + 1) // 2
+
+    def coverage(w: int) -> float:
+        return sum(_window_pairs([w], seq_len, sink_tokens, lw)[0] for lw in layers) / (len(layers) * full)
+
     lo, hi = 1, seq_len  # coverage grows with W: find the last W within the budget
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if causal_coverage([mid], seq_len, sink_tokens=sink_tokens) <= budget:
+        if coverage(mid) <= budget:
             lo = mid
         else:
             hi = mid - 1
@@ -286,7 +299,8 @@ def calibrate(
     heads = model.config.num_attention_heads
     check_policy_budget(policy, budget, seq_len, sink_tokens=sink_tokens, candidates=candidates)
     if policy == "uniform":
-        window = uniform_window_for_budget(budget, seq_len, sink_tokens=sink_tokens)
+        layer_windows = [layer_sliding_window(model, m) for m in modules]
+        window = uniform_window_for_budget(budget, seq_len, sink_tokens=sink_tokens, layer_windows=layer_windows)
         return torch.full((len(modules), heads), window, dtype=torch.int64)
     if policy == "budgeted":
         return _run_budgeted(

@@ -179,8 +179,8 @@ def _parse_candidates(text: str | None, seq_len: int) -> tuple[int, ...] | None:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from ..windows import acr, causal_coverage
     from .calibration import GRANULARITIES, MEASURES, POLICIES, SCOPES, calibrate, check_choice
+    from .patching import executed_coverage, layer_windows_for
     from .windows_file import model_signature, save_windows
 
     try:
@@ -217,12 +217,13 @@ def _calibrate(args: argparse.Namespace) -> int:
         "candidates": list(candidates) if candidates else None,
         "corpus": args.corpus,
         "batches": args.batches,
-        "acr": acr(windows, args.seq_len, sink_tokens=args.sink_tokens),
-        "causal_coverage": causal_coverage(windows, args.seq_len, sink_tokens=args.sink_tokens),
     }
+    specs = layer_windows_for(model, windows, args.sink_tokens)
+    meta["acr"], meta["causal_coverage"] = executed_coverage(model, args.seq_len, specs)
     save_windows(args.out, windows, meta)
     print(f"{args.policy} windows for {windows.shape[0]} layers x {windows.shape[1]} heads -> {args.out}")
-    print(f"ACR {meta['acr']:.3f}, causal coverage {meta['causal_coverage']:.3f} (with {args.sink_tokens} sinks)")
+    print(f"ACR {meta['acr']:.3f}, causal coverage {meta['causal_coverage']:.3f} as the layers run them "
+          f"(with {args.sink_tokens} sinks)")
     return 0
 
 

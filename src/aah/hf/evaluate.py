@@ -27,11 +27,10 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..windows import acr, causal_coverage
 from ._transformers import require
 from .cache import cache_memory_bytes, new_cache
 from .calibration import uniform_window_for_budget
-from .patching import patch, patched_windows, unpatch
+from .patching import attention_modules, executed_coverage, layer_sliding_window, patch, unpatch
 
 __all__ = ["Setting", "evaluate_settings", "markdown_table", "perplexity", "summary", "uniform_setting"]
 
@@ -93,11 +92,8 @@ def evaluate_settings(
     for setting in settings:
         setting.apply(model)
         results[setting.name] = {"ppl": perplexity(model, blocks, desc=f"perplexity {setting.name}" if progress else None)}
-        effective = patched_windows(model, effective=True) if setting.windows is not None else None
-        results[setting.name]["acr"] = acr(effective, seq_len, sink_tokens=setting.sink_tokens) if effective is not None else 1.0
-        results[setting.name]["causal_coverage"] = (
-            causal_coverage(effective, seq_len, sink_tokens=setting.sink_tokens) if effective is not None else 1.0
-        )
+        ratio, coverage = executed_coverage(model, seq_len) if setting.windows is not None else (1.0, 1.0)
+        results[setting.name].update(acr=ratio, causal_coverage=coverage)
 
     prompt = blocks[:1].to(model.device)
     prefill = {s.name: [] for s in settings}
@@ -139,18 +135,20 @@ def evaluate_settings(
 
 
 def effective_coverage(model, setting: Setting, seq_len: int) -> float:
-    """Causal coverage of ``setting`` on ``model`` after the layers' own sliding windows."""
+    """Causal coverage of ``setting`` on ``model`` as it runs: after the layers' own sliding
+    windows, with the sinks each layer keeps."""
     setting.apply(model)
     try:
-        return causal_coverage(patched_windows(model, effective=True), seq_len, sink_tokens=setting.sink_tokens)
+        return executed_coverage(model, seq_len)[1]
     finally:
         unpatch(model)
 
 
 def uniform_setting(model, aah: Setting, seq_len: int) -> Setting:
-    """One window for every head, the largest within the causal coverage of ``aah``."""
+    """One window for every head, the largest whose executed causal coverage is within that of ``aah``."""
     coverage = effective_coverage(model, aah, seq_len)
-    window = uniform_window_for_budget(coverage, seq_len, sink_tokens=aah.sink_tokens)
+    layer_windows = [layer_sliding_window(model, m) for m in attention_modules(model)]
+    window = uniform_window_for_budget(coverage, seq_len, sink_tokens=aah.sink_tokens, layer_windows=layer_windows)
     return Setting("uniform", torch.full_like(aah.windows, window), aah.sink_tokens)
 
 

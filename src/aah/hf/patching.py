@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backends import attend, backend_takes_sinks
-from ..windows import as_window_tensor, check_sink_tokens
+from ..windows import acr, as_window_tensor, causal_pairs, check_sink_tokens
 from ._transformers import require
 from .windowed_kv import WindowedKV
 
@@ -133,10 +133,9 @@ def patch(
             f"windows must have shape (num_layers, num_query_heads) = {expected} for "
             f"{type(model).__name__}, got {tuple(grid.shape)}"
         )
-    sinks = check_sink_tokens(sink_tokens)
+    specs = layer_windows_for(model, grid, check_sink_tokens(sink_tokens), backend)
     _register()
-    for module, row in zip(modules, grid.tolist()):
-        spec = LayerWindows.build(tuple(int(w) for w in row), sinks, backend, layer_sliding_window(model, module))
+    for module, spec in zip(modules, specs):
         setattr(module, _SPEC_ATTR, spec)
     if not hasattr(model, _PREVIOUS_ATTR):
         setattr(model, _PREVIOUS_ATTR, model.config._attn_implementation)
@@ -187,6 +186,29 @@ def patched_windows(model: torch.nn.Module, *, effective: bool = False) -> torch
     ``effective=True``, the windows that run after the layers' own sliding windows)."""
     rows = [spec.windows if effective else spec.requested for spec in layer_specs(model)]
     return torch.tensor(rows, dtype=torch.int64)
+
+
+def layer_windows_for(
+    model: torch.nn.Module, windows: torch.Tensor, sink_tokens: int, backend: str = "auto"
+) -> list[LayerWindows]:
+    """What each layer of ``model`` would run given the (num_layers, num_query_heads) ``windows``."""
+    modules = attention_modules(model)
+    return [
+        LayerWindows.build(tuple(int(w) for w in row), sink_tokens, backend, layer_sliding_window(model, module))
+        for module, row in zip(modules, windows.tolist())
+    ]
+
+
+def executed_coverage(model: torch.nn.Module, seq_len: int, specs: Sequence[LayerWindows] | None = None) -> tuple[float, float]:
+    """ACR and causal coverage of what a patched model runs at ``seq_len`` (or of ``specs``, see
+    :func:`layer_windows_for`): every layer's windows after its own sliding window, with the
+    sinks that layer keeps (none in a sliding layer)."""
+    specs = layer_specs(model) if specs is None else specs
+    heads = sum(len(spec.windows) for spec in specs)
+    ratio = sum(acr(spec.windows, seq_len, sink_tokens=spec.sink_tokens) * len(spec.windows) for spec in specs)
+    full = seq_len * (seq_len + 1) // 2
+    pairs = sum(causal_pairs(w, seq_len, sink_tokens=spec.sink_tokens) for spec in specs for w in spec.windows)
+    return ratio / heads, pairs / (full * heads)
 
 
 _REGISTERED = False
