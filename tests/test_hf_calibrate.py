@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from fractions import Fraction
 
 import pytest
@@ -311,6 +312,8 @@ def test_calibrate_then_eval_end_to_end(tiny_model_dir, tmp_path, capsys):
     for key in ("ppl_ratio", "prefill_speedup", "decode_speedup", "kv_bytes_ratio"):
         assert report[key] > 0
     assert report["ppl_ratio"] == pytest.approx(report["aah"]["ppl"] / report["full"]["ppl"])
+    assert len(report["aah"]["block_nll"]) == 1 and report["ppl_ratio_ci"] is None  # one block: no interval
+    assert report["aah_vs_uniform_ppl_ratio"] == pytest.approx(report["aah"]["ppl"] / report["uniform"]["ppl"])
     assert report["full"]["causal_coverage"] == 1.0
     assert report["uniform"]["causal_coverage"] <= report["aah"]["causal_coverage"] + 1e-12
     # KV bytes: the window cache holds S + window entries per KV head of a 61-token prompt.
@@ -396,3 +399,27 @@ def test_budgeted_calibrate_command_takes_candidates(tiny_model_dir, tmp_path, c
 def test_candidates_are_validated(bad):
     with pytest.raises(ValueError, match="candidates must be increasing windows in \\[1, 64\\]"):
         resolve_candidates(64, bad)
+
+
+def test_perplexity_ratios_come_with_intervals_paired_by_block():
+    from aah.hf.evaluate import ppl_ratio_interval, summary
+
+    def setting(nll):
+        return {"ppl": math.exp(sum(nll) / len(nll)), "block_nll": nll, "prefill_tok_s": 1.0,
+                "decode_tok_s": 1.0, "kv_bytes": 1}
+
+    results = {"full": setting([2.0, 2.2, 2.4]), "aah": setting([2.05, 2.27, 2.42]), "uniform": setting([2.1, 2.3, 2.5])}
+    out = summary(results)
+    # Differences 0.05, 0.07, 0.02: mean 0.0467, sd 0.0252, t(0.975, 2) = 4.3027.
+    half = 4.302653 * 0.025166 / math.sqrt(3)
+    assert out["ppl_ratio"] == pytest.approx(math.exp(0.046667), rel=1e-5)
+    assert out["ppl_ratio_ci"] == pytest.approx([math.exp(0.046667 - half), math.exp(0.046667 + half)], rel=1e-4)
+    assert results["uniform"]["ppl_ratio_ci"] == pytest.approx([math.exp(0.1), math.exp(0.1)])  # no spread
+    assert out["aah_vs_uniform_ppl_ratio"] == pytest.approx(math.exp(0.046667 - 0.1), rel=1e-5)
+    # aah - uniform: -0.05, -0.03, -0.08 on the blocks; three blocks leave the interval across 1.
+    d = [-0.05, -0.03, -0.08]
+    m, sd = sum(d) / 3, math.sqrt(sum((x - sum(d) / 3) ** 2 for x in d) / 2)
+    want = [math.exp(m - 4.302653 * sd / math.sqrt(3)), math.exp(m + 4.302653 * sd / math.sqrt(3))]
+    assert out["aah_vs_uniform_ppl_ratio_ci"] == pytest.approx(want, rel=1e-5)
+    assert want[0] < 1.0 < want[1]
+    assert ppl_ratio_interval([2.0], [1.9]) is None  # one block: no interval

@@ -14,7 +14,12 @@ transformers = pytest.importorskip("transformers")
 from aah import hf  # noqa: E402
 from aah.controller.budget import budget_capacity, choose_windows  # noqa: E402
 from aah.controller.lost_mass import lost_mass, within_context  # noqa: E402
-from aah.hf.calibration import budgeted_windows, calibrate, measure_lost_mass, uniform_window_for_budget  # noqa: E402
+from aah.hf.calibration import (  # noqa: E402
+    budgeted_windows,
+    calibrate,
+    measure_lost_mass,
+    uniform_window_for_budget,
+)
 from aah.hf.evaluate import Setting, uniform_setting  # noqa: E402
 from aah.hf.loss_estimate import measure_window_kl, window_output_change  # noqa: E402
 from aah.windows import causal_coverage, causal_pairs  # noqa: E402
@@ -165,3 +170,4 @@ def test_uniform_policy_and_the_eval_baseline_match_the_executed_coverage():
     target = _executed(aah.windows.tolist(), layer_windows, 4)
     u = int(uniform.windows[0, 0])
     assert _executed([[u] * 4] * 2, layer_windows, 4) <= target < _executed([[u + 1] * 4] * 2, layer_windows, 4)
+

@@ -53,7 +53,7 @@ def run_experiment(suite_path: str, out: str | None, seeds, jobs: int, overrides
     if stopped:
         print(f"aah experiment: stopped; {len(stopped)} runs left ("
               + ", ".join(f"{spec.name}: {detail}" for spec, _, detail in stopped)
-              + f"); run the same command again to resume them", file=sys.stderr)
+              + "); run the same command again to resume them", file=sys.stderr)
     done = [s.run_dir for s in specs if (s.run_dir / "meta.json").is_file()]
     if not done:
         print("aah experiment: no run produced results", file=sys.stderr)

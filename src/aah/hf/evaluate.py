@@ -2,9 +2,11 @@
 
 Three settings of one model: ``full`` (transformers' own SDPA attention and its default
 dynamic cache), ``aah`` (the calibrated windows with their sinks and the window cache) and
-``uniform`` (one window for every head, at the causal coverage of ``aah``). For each:
+``uniform`` (one window for every head, at the executed causal coverage of ``aah``). For each:
 
-* perplexity on held-out token blocks (teacher forcing over whole blocks, no cache);
+* perplexity on held-out token blocks (teacher forcing over whole blocks, no cache), and
+  for each ratio of perplexities a 95% interval paired by block (Student-t over the blocks'
+  differences of mean log-likelihood, exponentiated), so more blocks narrow it;
 * prefill tokens/s: one block through the model with a fresh cache;
 * decode tokens/s: greedy steps at ``decode_batch`` after a prompt of ``seq_len - new_tokens``
   tokens; the settings take turns within each round (one process, interleaved), and the
@@ -27,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ..report.stats import paired_difference
 from ._transformers import require
 from .cache import cache_memory_bytes, new_cache
 from .calibration import uniform_window_for_budget
@@ -56,15 +59,28 @@ class Setting:
 
 
 @torch.no_grad()
-def perplexity(model, blocks: torch.Tensor, *, desc: str | None = None) -> float:
-    """exp(mean next-token negative log-likelihood) over every position of every block."""
-    total, count = 0.0, 0
+def block_nll(model, blocks: torch.Tensor, *, desc: str | None = None) -> list[float]:
+    """Mean next-token negative log-likelihood of each block (B, T) of token ids."""
+    out = []
     for block in tqdm(blocks, desc=desc, disable=desc is None, leave=False):
         ids = block[None].to(model.device)
         logits = model(ids, use_cache=False).logits[0, :-1].float()
-        total += F.cross_entropy(logits, ids[0, 1:], reduction="sum").item()
-        count += ids.shape[1] - 1
-    return math.exp(total / count)
+        out.append(F.cross_entropy(logits, ids[0, 1:]).item())
+    return out
+
+
+def perplexity(model, blocks: torch.Tensor, *, desc: str | None = None) -> float:
+    """exp(mean next-token negative log-likelihood) over every position of every block."""
+    return math.exp(statistics.fmean(block_nll(model, blocks, desc=desc)))  # blocks have equal lengths
+
+
+def ppl_ratio_interval(nll: list[float], reference_nll: list[float]) -> list[float] | None:
+    """95% interval of the perplexity ratio of two settings on the same blocks: ``exp`` of the
+    Student-t interval of the per-block differences of mean log-likelihood (``None`` with one block)."""
+    diff = paired_difference(dict(enumerate(nll)), dict(enumerate(reference_nll)))
+    if diff is None or diff.ci is None:
+        return None
+    return [math.exp(diff.ci[0]), math.exp(diff.ci[1])]
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -91,7 +107,8 @@ def evaluate_settings(
     results: dict[str, dict] = {}
     for setting in settings:
         setting.apply(model)
-        results[setting.name] = {"ppl": perplexity(model, blocks, desc=f"perplexity {setting.name}" if progress else None)}
+        nll = block_nll(model, blocks, desc=f"perplexity {setting.name}" if progress else None)
+        results[setting.name] = {"ppl": math.exp(statistics.fmean(nll)), "block_nll": nll}
         ratio, coverage = executed_coverage(model, seq_len) if setting.windows is not None else (1.0, 1.0)
         results[setting.name].update(acr=ratio, causal_coverage=coverage)
 
@@ -153,28 +170,40 @@ def uniform_setting(model, aah: Setting, seq_len: int) -> Setting:
 
 
 def summary(results: dict[str, dict]) -> dict:
-    """The top-level ratios of ``aah`` against ``full`` (and ``uniform``'s perplexity ratio)."""
+    """The top-level ratios of ``aah`` against ``full`` (and ``uniform``'s perplexity ratio).
+
+    Perplexity ratios come with a 95% interval paired by held-out block (``*_ci``, ``None``
+    with one block); ``aah_vs_uniform_ppl_ratio`` compares the two windowed settings.
+    """
     full, aah = results["full"], results["aah"]
-    if "uniform" in results:
-        results["uniform"]["ppl_ratio"] = results["uniform"]["ppl"] / full["ppl"]
-    return {
+    out = {
         "ppl_ratio": aah["ppl"] / full["ppl"],
+        "ppl_ratio_ci": ppl_ratio_interval(aah["block_nll"], full["block_nll"]),
         "prefill_speedup": aah["prefill_tok_s"] / full["prefill_tok_s"],
         "decode_speedup": aah["decode_tok_s"] / full["decode_tok_s"],
         "kv_bytes_ratio": aah["kv_bytes"] / full["kv_bytes"],
     }
+    if "uniform" in results:
+        uniform = results["uniform"]
+        uniform["ppl_ratio"] = uniform["ppl"] / full["ppl"]
+        uniform["ppl_ratio_ci"] = ppl_ratio_interval(uniform["block_nll"], full["block_nll"])
+        out["aah_vs_uniform_ppl_ratio"] = aah["ppl"] / uniform["ppl"]
+        out["aah_vs_uniform_ppl_ratio_ci"] = ppl_ratio_interval(aah["block_nll"], uniform["block_nll"])
+    return out
 
 
 def markdown_table(results: dict[str, dict]) -> str:
     """A markdown table, one row per setting."""
     lines = [
-        "| setting | perplexity | ppl / full | prefill tok/s | decode tok/s | KV MB | ACR | causal coverage |",
+        "| setting | perplexity | ppl / full (95% CI) | prefill tok/s | decode tok/s | KV MB | ACR | causal coverage |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    full_ppl = results["full"]["ppl"]
+    full = results["full"]
     for name, r in results.items():
+        ci = ppl_ratio_interval(r["block_nll"], full["block_nll"]) if name != "full" else None
+        ratio = f"{r['ppl'] / full['ppl']:.4f}" + (f" [{ci[0]:.4f}, {ci[1]:.4f}]" if ci else "")
         lines.append(
-            f"| {name} | {r['ppl']:.3f} | {r['ppl'] / full_ppl:.4f} | {r['prefill_tok_s']:.1f} | "
+            f"| {name} | {r['ppl']:.3f} | {ratio} | {r['prefill_tok_s']:.1f} | "
             f"{r['decode_tok_s']:.1f} | {r['kv_bytes'] / 1e6:.1f} | {r['acr']:.3f} | {r['causal_coverage']:.3f} |"
         )
     return "\n".join(lines)
