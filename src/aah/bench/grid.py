@@ -103,7 +103,8 @@ def run_grid(
     }
     done, earlier_s = _earlier_rows(out_json, result["config"]) if resume else ({}, 0.0)
     # Cells of the earlier file that this grid does not name are kept after its own.
-    others = [row for key, row in done.items() if key not in set(cells)]
+    planned = set(cells)
+    others = [row for key, row in done.items() if key not in planned]
     if others:
         log(f"keeping {len(others)} other cells of {out_json}")
     started = time.perf_counter()

@@ -41,7 +41,14 @@ from ..controller.selection import share_within_kv_groups as share_row
 from ..regimes import get as get_regime
 from ..windows import candidate_windows, causal_coverage, causal_pairs
 from .loss_estimate import measure_window_kl
-from .patching import attention_modules, layer_sinks, layer_sliding_window, recording
+from .patching import (
+    LayerWindows,
+    attention_modules,
+    layer_sinks,
+    layer_sliding_window,
+    layer_sliding_windows,
+    recording,
+)
 
 __all__ = [
     "POLICIES",
@@ -125,11 +132,9 @@ def _window_pairs(
     candidates: Sequence[int], seq_len: int, sink_tokens: int, layer_window: int | None = None
 ) -> list[int]:
     """Allowed (query, key) pairs of one head per candidate, sinks counted, as the patched layer
-    executes it: capped by the layer's own sliding window, without sinks there."""
-    if layer_window is None:
-        return [causal_pairs(w, seq_len, sink_tokens=sink_tokens) for w in candidates]
-    sinks = layer_sinks(sink_tokens, layer_window)
-    return [causal_pairs(min(w, int(layer_window)), seq_len, sink_tokens=sinks) for w in candidates]
+    executes it (:meth:`LayerWindows.build`: capped by its own sliding window, without sinks there)."""
+    spec = LayerWindows.build(tuple(int(w) for w in candidates), sink_tokens, "auto", layer_window)
+    return [causal_pairs(w, seq_len, sink_tokens=spec.sink_tokens) for w in spec.windows]
 
 
 def check_budgeted_budget(
@@ -198,7 +203,7 @@ def budgeted_windows(
     per layer or, with ``scope="model"``, once over all layers. ``layer_windows`` gives each
     layer's own sliding window (``None``: none), so a window is costed as that layer runs it
     (see :func:`_window_pairs`): the coverage spent is the executed one, which
-    :func:`~aah.hf.evaluate.effective_coverage` reports.
+    :func:`~aah.hf.patching.executed_coverage` reports.
     """
     check_choice("scope", scope, SCOPES)
     num_layers, num_heads, k = lost.shape
@@ -299,8 +304,9 @@ def calibrate(
     heads = model.config.num_attention_heads
     check_policy_budget(policy, budget, seq_len, sink_tokens=sink_tokens, candidates=candidates)
     if policy == "uniform":
-        layer_windows = [layer_sliding_window(model, m) for m in modules]
-        window = uniform_window_for_budget(budget, seq_len, sink_tokens=sink_tokens, layer_windows=layer_windows)
+        window = uniform_window_for_budget(
+            budget, seq_len, sink_tokens=sink_tokens, layer_windows=layer_sliding_windows(model)
+        )
         return torch.full((len(modules), heads), window, dtype=torch.int64)
     if policy == "budgeted":
         return _run_budgeted(
@@ -326,7 +332,7 @@ def _run_budgeted(
     return budgeted_windows(
         lost, cands, budget, seq_len, sink_tokens=sink_tokens, num_kv_heads=_num_kv_heads(model),
         granularity=granularity, scope=scope,
-        layer_windows=[layer_sliding_window(model, m) for m in attention_modules(model)],
+        layer_windows=layer_sliding_windows(model),
     )
 
 

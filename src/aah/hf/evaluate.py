@@ -33,7 +33,7 @@ from ..report.stats import paired_difference
 from ._transformers import require
 from .cache import cache_memory_bytes, new_cache
 from .calibration import uniform_window_for_budget
-from .patching import attention_modules, executed_coverage, layer_sliding_window, patch, unpatch
+from .patching import executed_coverage, layer_sliding_windows, layer_windows_for, patch, unpatch
 
 __all__ = ["Setting", "evaluate_settings", "markdown_table", "perplexity", "summary", "uniform_setting"]
 
@@ -154,18 +154,15 @@ def evaluate_settings(
 def effective_coverage(model, setting: Setting, seq_len: int) -> float:
     """Causal coverage of ``setting`` on ``model`` as it runs: after the layers' own sliding
     windows, with the sinks each layer keeps."""
-    setting.apply(model)
-    try:
-        return executed_coverage(model, seq_len)[1]
-    finally:
-        unpatch(model)
+    return executed_coverage(model, seq_len, layer_windows_for(model, setting.windows, setting.sink_tokens))[1]
 
 
 def uniform_setting(model, aah: Setting, seq_len: int) -> Setting:
     """One window for every head, the largest whose executed causal coverage is within that of ``aah``."""
     coverage = effective_coverage(model, aah, seq_len)
-    layer_windows = [layer_sliding_window(model, m) for m in attention_modules(model)]
-    window = uniform_window_for_budget(coverage, seq_len, sink_tokens=aah.sink_tokens, layer_windows=layer_windows)
+    window = uniform_window_for_budget(
+        coverage, seq_len, sink_tokens=aah.sink_tokens, layer_windows=layer_sliding_windows(model)
+    )
     return Setting("uniform", torch.full_like(aah.windows, window), aah.sink_tokens)
 
 

@@ -85,6 +85,11 @@ def layer_sliding_window(model: torch.nn.Module, module: torch.nn.Module) -> int
     return getattr(model.config, "sliding_window", None)
 
 
+def layer_sliding_windows(model: torch.nn.Module) -> list[int | None]:
+    """Each attention layer's own sliding window, in layer order (``None`` where it has none)."""
+    return [layer_sliding_window(model, module) for module in attention_modules(model)]
+
+
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The self-attention modules of ``model`` in layer order (modules with ``layer_idx`` and ``q_proj``)."""
     found: dict[int, torch.nn.Module] = {}
@@ -192,10 +197,9 @@ def layer_windows_for(
     model: torch.nn.Module, windows: torch.Tensor, sink_tokens: int, backend: str = "auto"
 ) -> list[LayerWindows]:
     """What each layer of ``model`` would run given the (num_layers, num_query_heads) ``windows``."""
-    modules = attention_modules(model)
     return [
-        LayerWindows.build(tuple(int(w) for w in row), sink_tokens, backend, layer_sliding_window(model, module))
-        for module, row in zip(modules, windows.tolist())
+        LayerWindows.build(tuple(int(w) for w in row), sink_tokens, backend, layer_window)
+        for layer_window, row in zip(layer_sliding_windows(model), windows.tolist())
     ]
 
 
