@@ -16,8 +16,8 @@ once.
 * Shape key: device, dtype, batch, heads, KV heads, length, head dim, the set
   of distinct windows (clamped to the length), the sink tokens (only when
   ``S > 0``: keys without sinks are those of before), and whether a backward
-  pass is needed; the disk entry adds the host name, thread count and torch
-  version.
+  pass is needed; the disk entry adds the host name, thread count, torch
+  version and :data:`PLAN_REVISION` (a new revision times every shape again).
 * Cache file: ``$AAH_CACHE_DIR/backend_choices.json``, by default
   ``~/.cache/aah/backend_choices.json``. ``AAH_AUTO_CALIBRATE=0`` skips the
   timing and takes the first candidate of the list above.
@@ -69,8 +69,14 @@ def shape_key(
     return f"{q.device.type}|{dtype}|B{b}|H{h}|KV{k.shape[1]}|T{t}|D{d}|W{wins}{sinks}|{direction}"
 
 
+#: Revision of the backends' execution plans: raised when a backend's speed can change
+#: (its plan, not only its numbers), so that choices calibrated before are timed again.
+PLAN_REVISION = 2
+
+
 def _machine_key(key: str) -> str:
-    return f"{platform.node()}|threads{torch.get_num_threads()}|torch{torch.__version__}|{key}"
+    return (f"{platform.node()}|threads{torch.get_num_threads()}|torch{torch.__version__}"
+            f"|plans{PLAN_REVISION}|{key}")
 
 
 def candidates(

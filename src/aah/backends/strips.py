@@ -8,7 +8,9 @@ are never materialised in memory and their backward runs inside the kernel.
 For one window ``W < T`` (all heads of a window group at once):
 
 * **Prefix**: queries ``[0, W)`` see every earlier key, so they are plain
-  causal attention over the first ``W`` positions: one fused causal call.
+  causal attention over the first ``W`` positions: one fused causal call, cut
+  in halves when the group has too few heads to keep every thread busy
+  (:mod:`aah.backends.halves`).
 * **Strips**: queries ``[W, T)`` are cut into chunks of ``b`` rows. Chunk
   ``c`` (queries ``W + c b + r``, ``0 <= r < b``) needs keys
   ``(W + c b + r - W, W + c b + r]``, all inside the strip
@@ -31,7 +33,8 @@ For one window ``W < T`` (all heads of a window group at once):
   log-sum-exp (:mod:`aah.backends.sinks`). ``S = 0`` takes the plain path.
 
 Heads whose window covers the sequence run through one fused causal call
-(:mod:`aah.backends.sdpa`). Grouped-query KV heads are expanded to their
+(:mod:`aah.backends.sdpa`), or through the halves of
+:mod:`aah.backends.halves` when they are too few for the threads. Grouped-query KV heads are expanded to their
 query heads inside a group (a copy of ``K`` and ``V`` per group; the fused
 kernel batches only equal head counts).
 
@@ -51,7 +54,7 @@ import torch
 
 from .banded import grouped_attention
 from .base import AttentionBackend, expand_kv
-from .sdpa import causal_sdpa
+from .halves import balanced_causal, causal_backward, causal_forward, cut_in_halves
 from .sinks import merge_sinks, sink_backward, sink_span
 
 __all__ = ["StripsBackend", "strip_attention", "strip_block", "strip_entries"]
@@ -129,8 +132,8 @@ class _StripAttention(torch.autograd.Function):
             q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, padded - t)) for x in (q, k, v))
         else:
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        pre = [x[:, :window].unsqueeze(1) for x in (q, k, v)]
-        out_pre, lse_pre = _aten._scaled_dot_product_flash_attention_for_cpu(*pre, 0.0, True, scale=scale)
+        halves = cut_in_halves(n_heads, window)
+        out_pre, lse_pre = causal_forward(q[:, :window], k[:, :window], v[:, :window], scale, halves)
         mask = _strip_mask(window, block, q.dtype, q.device)
         q_s = q[:, window:].view(n_heads, chunks, block, d)
         out_s, lse_s = _aten._scaled_dot_product_flash_attention_for_cpu(
@@ -139,22 +142,22 @@ class _StripAttention(torch.autograd.Function):
         )
         if sinks:
             out_s, lse_s = _merge_strip_sinks(q, k, v, window, sinks, scale, out_s, lse_s)
-        out = torch.cat([out_pre.reshape(n_heads, window, d), out_s.reshape(n_heads, chunks * block, d)], 1)
+        out = torch.cat([out_pre, out_s.reshape(n_heads, chunks * block, d)], 1)
         ctx.save_for_backward(q, k, v, out_pre, lse_pre, out_s, lse_s)
-        ctx.geometry = (t, window, block, chunks, scale, sinks)
+        ctx.geometry = (t, window, block, chunks, scale, sinks, halves)
         return out[:, :t] if padded > t else out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out_pre, lse_pre, out_s, lse_s = ctx.saved_tensors
-        t, window, block, chunks, scale, sinks = ctx.geometry
+        t, window, block, chunks, scale, sinks, halves = ctx.geometry
         n_heads, padded, d = q.shape
         grad = grad_out.contiguous()
         if padded > t:
             grad = torch.nn.functional.pad(grad, (0, 0, 0, padded - t))
-        dq_pre, dk_pre, dv_pre = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad[:, :window].unsqueeze(1), *(x[:, :window].unsqueeze(1) for x in (q, k, v)),
-            out_pre, lse_pre, 0.0, True, scale=scale,
+        prefix = slice(0, window)
+        dq_pre, dk_pre, dv_pre = causal_backward(
+            grad[:, prefix], q[:, prefix], k[:, prefix], v[:, prefix], out_pre, lse_pre, scale, halves
         )
         mask = _strip_mask(window, block, q.dtype, q.device)
         dq_s, dk_s, dv_s = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -163,14 +166,14 @@ class _StripAttention(torch.autograd.Function):
             _strips(k, window, block, chunks), _strips(v, window, block, chunks),
             out_s, lse_s, 0.0, False, attn_mask=mask, scale=scale,
         )
-        dq = torch.cat([dq_pre.reshape(n_heads, window, d), dq_s.reshape(n_heads, chunks * block, d)], 1)
+        dq = torch.cat([dq_pre, dq_s.reshape(n_heads, chunks * block, d)], 1)
         # Put the strip gradients back: strip c starts at key 1 + c b; its columns
         # [s b, (s + 1) b) land on rows 1 + (c + s) b + [0, b) for every c at once.
         rows = padded + block
         dk = torch.zeros(n_heads, rows, d, dtype=q.dtype, device=q.device)
         dv = torch.zeros(n_heads, rows, d, dtype=q.dtype, device=q.device)
-        dk[:, :window] = dk_pre.reshape(n_heads, window, d)
-        dv[:, :window] = dv_pre.reshape(n_heads, window, d)
+        dk[:, :window] = dk_pre
+        dv[:, :window] = dv_pre
         strip_len = window - 1 + block
         for lo in range(0, strip_len, block):
             width = min(block, strip_len - lo)
@@ -219,7 +222,7 @@ def strip_attention(
     if block is None:
         block = strip_block(window, t)
     if window >= t:
-        return causal_sdpa(q, k, v, scale)
+        return balanced_causal(q, k, v, scale)
     k, v = expand_kv(k, h), expand_kv(v, h)
     out = _StripAttention.apply(
         q.reshape(b * h, t, d), k.reshape(b * h, t, d), v.reshape(b * h, t, d), window, block, scale,
