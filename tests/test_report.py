@@ -289,12 +289,33 @@ def test_report_without_any_eval_and_with_a_running_run(tmp_path: Path):
     make_run(tmp_path, "full_attention", 0, 3.0, acr=None)
     make_run(tmp_path, "full_adaptive", 0, 2.9, status="running",
              extra_lines='{"kind": "train", "step": 110, "lo')  # half-written last line
-    text = write_report([tmp_path], tmp_path / "rep").read_text()
+    text = write_report([tmp_path], tmp_path / "rep", include_unfinished=True).read_text()
     assert "no run has been evaluated yet" in text
     assert "| Full adaptive | 0/1 | missing |" in text
     assert "`full_adaptive-s0` (running)" in text
     assert "1 unreadable line(s)" in text
     assert "-0.1000 (CI n/a, n=1)" in text
+
+
+def test_unfinished_runs_are_listed_but_left_out_of_the_means(tmp_path: Path, capsys):
+    for seed in (0, 1):
+        make_run(tmp_path, "full_attention", seed, 3.0, acr=None)
+        make_run(tmp_path, "full_adaptive", seed, 2.8)
+    make_run(tmp_path / "late", "full_adaptive", 2, 9.0, status="running", steps=50)
+    text = write_report([tmp_path], tmp_path / "rep").read_text()
+    rows = read_csv(tmp_path / "rep" / "training.csv")
+    assert float(rows["full_adaptive"]["val_loss_mean"]) == pytest.approx(2.8)  # not pulled up by 9.0
+    assert rows["full_adaptive"]["n_seeds"] == "2"
+    assert "Left out of the tables and figures until they complete" in text
+    assert "`full_adaptive-s2` (running)" in text
+    assert "| `full_adaptive-s2` | Full adaptive | 2 | running | 50 |" in text  # still in the run list
+    kept = write_report([tmp_path], tmp_path / "all", include_unfinished=True)
+    assert read_csv(tmp_path / "all" / "training.csv")["full_adaptive"]["n_seeds"] == "3"
+    assert "Left out of the tables" not in kept.read_text()
+    assert main_table_text([tmp_path]) != main_table_text([tmp_path], include_unfinished=True)
+    args = _parse(["report", str(tmp_path), "--out", str(tmp_path / "cli")])
+    assert args.func(args) == 0
+    assert "4 of 5 run(s) in the tables" in capsys.readouterr().out
 
 
 def test_main_table_text_and_no_runs(suite: Path, tmp_path: Path):

@@ -29,6 +29,7 @@ __all__ = [
     "display_name",
     "equal_coverage_table",
     "find_run_dirs",
+    "finished_runs",
     "inference_table",
     "load_run",
     "load_runs",
@@ -55,20 +56,39 @@ def _load(run_dirs: Iterable[Path | str]) -> tuple[list[Run], list[str]]:
     return runs, notes
 
 
-def main_table_text(run_dirs: Iterable[Path | str]) -> str:
+def finished_runs(runs: Sequence[Run], include_unfinished: bool = False) -> tuple[list[Run], list[str]]:
+    """The runs the tables and figures average over, and a note on those left out.
+
+    A run that has not completed (still running, interrupted, failed) would
+    mix a shorter training into a regime's mean, so it is left out while at
+    least one run has completed; ``include_unfinished`` keeps every run (their
+    rows then use the last values logged).
+    """
+    complete = [r for r in runs if r.status == "complete"]
+    if include_unfinished or not complete or len(complete) == len(runs):
+        return list(runs), []
+    left = [r for r in runs if r.status != "complete"]
+    return complete, ["Left out of the tables and figures until they complete (`--include-unfinished` "
+                      "keeps them): " + ", ".join(f"`{r.name}` ({r.status})" for r in left) + "."]
+
+
+def main_table_text(run_dirs: Iterable[Path | str], include_unfinished: bool = False) -> str:
     """The training table (paper Table 4 shape) of ``run_dirs`` as Markdown text."""
     runs, _ = _load(run_dirs)
-    return training_table(runs).to_markdown()
+    return training_table(finished_runs(runs, include_unfinished)[0]).to_markdown()
 
 
-def write_report(run_dirs: list[Path], out_dir: Path) -> Path:
+def write_report(run_dirs: list[Path], out_dir: Path, include_unfinished: bool = False) -> Path:
     """Write ``report.md``, CSVs and PNG figures for ``run_dirs`` into ``out_dir``.
 
     Each entry of ``run_dirs`` is a run folder or a folder searched for run
-    folders. Returns the path of ``report.md``. Raises ``ValueError`` when no
-    run folder is found and ``FileNotFoundError`` for a path that does not exist.
+    folders. Runs that have not completed are listed but left out of the
+    tables and figures unless ``include_unfinished`` (:func:`finished_runs`).
+    Returns the path of ``report.md``. Raises ``ValueError`` when no run
+    folder is found and ``FileNotFoundError`` for a path that does not exist.
     """
-    runs, notes = _load(run_dirs)
+    every_run, notes = _load(run_dirs)
+    runs, left_out = finished_runs(every_run, include_unfinished)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     groups = group_by_regime(runs)
@@ -83,7 +103,7 @@ def write_report(run_dirs: list[Path], out_dir: Path) -> Path:
         table.write_csv(out_dir / f"{stem}.csv")
     figures = write_figures(groups, out_dir)
     bucket_lines = _write_bucket_csv(groups, out_dir / "window_buckets.csv")
-    text = _render(runs, tables, figures, bucket_lines, notes + _run_notes(runs))
+    text = _render(runs, every_run, tables, figures, bucket_lines, notes + left_out + _run_notes(runs))
     path = out_dir / "report.md"
     path.write_text(text, encoding="utf-8")
     return path
@@ -176,8 +196,8 @@ def _write_bucket_csv(groups: dict[str, list[Run]], path: Path) -> list[str]:
             f"averaged over seeds; source: {sources_text}.", ""]
 
 
-def _render(runs: Sequence[Run], tables: list[tuple[str, Table]], figures: list[FigureResult],
-            bucket_lines: list[str], notes: list[str]) -> str:
+def _render(runs: Sequence[Run], every_run: Sequence[Run], tables: list[tuple[str, Table]],
+            figures: list[FigureResult], bucket_lines: list[str], notes: list[str]) -> str:
     regimes = group_by_regime(runs)
     lines = [
         "# AAH experiment report",
@@ -194,7 +214,7 @@ def _render(runs: Sequence[Run], tables: list[tuple[str, Table]], figures: list[
         lines += [f"## {headings[stem]}", "", table.to_markdown(), "",
                   f"CSV: [{stem}.csv]({stem}.csv)", ""]
     lines += _figure_lines(figures, bucket_lines)
-    lines += _run_list(runs)
+    lines += _run_list(every_run)
     if notes:
         lines += ["## Notes", "", *[f"- {n}" for n in notes], ""]
     return "\n".join(lines)

@@ -2,7 +2,9 @@
 
 Each ``RUN_DIR`` is a run folder (it holds ``meta.json``) or a folder searched
 recursively for run folders. The report (paper Tables 4-6, Figures 3-4) goes
-to ``--out`` (default ``report``).
+to ``--out`` (default ``report``). Runs that have not completed are listed
+but left out of the tables and figures while another run has completed
+(``--include-unfinished`` keeps them).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import argparse
 from pathlib import Path
 
 from ..errors import CLIError
-from . import write_report
+from . import finished_runs, write_report
 from .runs import find_run_dirs, load_runs
 from .tables import training_table
 
@@ -29,6 +31,9 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
     parser.add_argument("--out", type=Path, default=Path("report"), metavar="DIR",
                         help="output folder (default: ./report)")
+    parser.add_argument("--include-unfinished", action="store_true",
+                        help="average runs that have not completed into the tables and figures too "
+                        "(by default they are listed but left out while another run has completed)")
     parser.set_defaults(func=run_report)
 
 
@@ -44,11 +49,13 @@ def run_report(args: argparse.Namespace) -> int:
                        "(a run folder holds meta.json, written when training starts)")
     if args.out.exists() and not args.out.is_dir():
         raise CLIError(f"--out: {args.out} is a file, not a folder")
-    runs, _ = load_runs(run_dirs)
+    every_run, _ = load_runs(run_dirs)
+    runs, left_out = finished_runs(every_run, args.include_unfinished)
     print(training_table(runs).to_markdown())
     try:
-        path = write_report(run_dirs, args.out)
+        path = write_report(run_dirs, args.out, args.include_unfinished)
     except PermissionError as exc:
         raise CLIError(f"cannot write the report to {args.out}: {exc}") from None
-    print(f"\n{len(runs)} run(s); report written to {path}")
+    counted = f"{len(runs)} of {len(every_run)} run(s) in the tables" if left_out else f"{len(runs)} run(s)"
+    print(f"\n{counted}; report written to {path}")
     return 0
