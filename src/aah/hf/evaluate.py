@@ -69,9 +69,14 @@ def block_nll(model, blocks: torch.Tensor, *, desc: str | None = None) -> list[f
     return out
 
 
+def nll_perplexity(nll: list[float]) -> float:
+    """Perplexity of blocks of equal length from their mean negative log-likelihoods: exp of the mean."""
+    return math.exp(statistics.fmean(nll))
+
+
 def perplexity(model, blocks: torch.Tensor, *, desc: str | None = None) -> float:
     """exp(mean next-token negative log-likelihood) over every position of every block."""
-    return math.exp(statistics.fmean(block_nll(model, blocks, desc=desc)))  # blocks have equal lengths
+    return nll_perplexity(block_nll(model, blocks, desc=desc))
 
 
 def ppl_ratio_interval(nll: list[float], reference_nll: list[float]) -> list[float] | None:
@@ -108,7 +113,7 @@ def evaluate_settings(
     for setting in settings:
         setting.apply(model)
         nll = block_nll(model, blocks, desc=f"perplexity {setting.name}" if progress else None)
-        results[setting.name] = {"ppl": math.exp(statistics.fmean(nll)), "block_nll": nll}
+        results[setting.name] = {"ppl": nll_perplexity(nll), "block_nll": nll}
         ratio, coverage = executed_coverage(model, seq_len) if setting.windows is not None else (1.0, 1.0)
         results[setting.name].update(acr=ratio, causal_coverage=coverage)
 
