@@ -20,6 +20,7 @@ def _check_schema(result: dict, batch: int) -> None:
     for key in ("acr", "causal_coverage", "windows", "context", "new_tokens", "batch", "kv_heads",
                 "window_granularity", "dtype"):
         assert key in config
+    assert config["decode_step"] == "compiled" or config["decode_step"].startswith("pytorch (")
     seq_len = config["seq_len"]
     assert config["acr"] == pytest.approx(acr(config["windows"], seq_len))
     assert config["causal_coverage"] == pytest.approx(causal_coverage(config["windows"], seq_len))

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from aah import GPT, ControllerConfig, GPTConfig
+from aah import GPT, ControllerConfig, GPTConfig, ring_decode
 from aah.attention import RotaryEmbedding
 from aah.cache import (
     LayerKVCache,
@@ -118,6 +118,19 @@ def tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.fixture(params=["compiled", "pytorch"])
+def decode_path(request, monkeypatch) -> str:
+    """Decode steps through the compiled step (aah.ring_decode) or through the PyTorch plans."""
+    if request.param == "compiled":
+        monkeypatch.setenv("AAH_RING_KERNEL", "1")
+        reason = ring_decode.unavailable_reason()
+        if reason is not None:
+            pytest.skip(f"the compiled decode step cannot be built here: {reason}")
+    else:
+        monkeypatch.setenv("AAH_RING_KERNEL", "0")
+    return request.param
+
+
 def cached_logits(model: GPT, idx: torch.Tensor, chunks: list[int]) -> tuple[torch.Tensor, WindowKVCache]:
     """Logits of ``idx`` fed through a fresh cache in chunks of the given sizes."""
     assert sum(chunks) == idx.shape[1]
@@ -161,12 +174,17 @@ SCHEDULES = {
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("case", list(CASES))
-def test_cached_logits_equal_full_recompute(case: str, schedule: str) -> None:
+def test_cached_logits_equal_full_recompute(case: str, schedule: str, decode_path: str, monkeypatch) -> None:
     windows, kv, positional = CASES[case]
     model = make_model(windows, n_kv_heads=kv, positional=positional)
     idx = tokens(2, 48)
     ref = reference_forward(model, idx)
+    calls = []
+    compiled_step = ring_decode.ring_decode
+    monkeypatch.setattr(ring_decode, "ring_decode", lambda *a: calls.append(1) or compiled_step(*a))
     got, cache = cached_logits(model, idx, SCHEDULES[schedule])
+    steps = SCHEDULES[schedule][1:].count(1)  # one-token calls after the first: decode steps
+    assert len(calls) == (steps * len(cache.layers) if decode_path == "compiled" else 0)
     assert cache.length == 48
     torch.testing.assert_close(got.double(), ref["logits"], **TOL)
     # The full forward without a cache agrees with the reference too.
@@ -182,7 +200,7 @@ def test_cached_logits_equal_full_recompute(case: str, schedule: str) -> None:
 
 
 @pytest.mark.parametrize("case", ["gqa_mixed_rope", "mha_local_learned"])
-def test_every_step_equals_forward_on_its_prefix(case: str) -> None:
+def test_every_step_equals_forward_on_its_prefix(case: str, decode_path: str) -> None:
     windows, kv, positional = CASES[case]
     model = make_model(windows, n_kv_heads=kv, positional=positional)
     idx = tokens(1, 30, seed=3)
@@ -223,7 +241,7 @@ def test_reset_reuses_the_cache() -> None:
 
 # ---------------------------------------------------------------------- generation
 @pytest.mark.parametrize("case", ["mha_local_rope", "gqa_mixed_learned", "windows_1", "no_controller_learned"])
-def test_greedy_generation_with_cache_equals_without(case: str) -> None:
+def test_greedy_generation_with_cache_equals_without(case: str, decode_path: str) -> None:
     windows, kv, positional = CASES[case]
     model = make_model(windows, n_kv_heads=kv, positional=positional)
     prompt = tokens(2, 9, seed=5)
@@ -392,7 +410,7 @@ def _attention64(q, k, v, windows, start: int, score_dtype=torch.float64) -> tor
 
 
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
-def test_bf16_cache_computes_scores_in_float32(q_dtype: torch.dtype) -> None:
+def test_bf16_cache_computes_scores_in_float32(q_dtype: torch.dtype, decode_path: str) -> None:
     """Decode steps and chunks over a bfloat16 cache: only the stored entries and the output are rounded.
 
     Scores of magnitude ~20 lose about 0.1 when rounded to bfloat16, which moves the
@@ -509,7 +527,7 @@ def test_run_config_key_window_granularity() -> None:
         load_config(None, ["aah.window_granularity=layer"])
 
 
-def test_bfloat16_model_decodes_through_a_bfloat16_cache() -> None:
+def test_bfloat16_model_decodes_through_a_bfloat16_cache(decode_path: str) -> None:
     """End to end in bfloat16 (GQA, mixed windows): close to the float64 reference of the same weights."""
     windows, kv, _ = CASES["gqa_mixed_rope"]
     model = make_model(windows, n_kv_heads=kv).to(torch.bfloat16)
@@ -555,6 +573,7 @@ def test_paper_ladder_decodes_in_one_call_and_small_divisors_per_capacity() -> N
 def test_tiny_chunks_decode_exactly(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Forced through one call over chunks of length 1 (gcd of the capacities), decoding stays exact."""
     monkeypatch.setattr("aah.cache.MIN_CHUNK", 1)
+    monkeypatch.setenv("AAH_RING_KERNEL", "0")  # the PyTorch plans
     windows, kv, positional = CASES[case]
     model = make_model(windows, n_kv_heads=kv, positional=positional)
     idx = tokens(2, 40)

@@ -41,6 +41,14 @@ Three paths through a layer:
   needs no mask. Before that (rings still filling) and for a query head whose
   window is smaller than its KV head's ring (GQA with mixed windows), an
   additive mask is computed from the age of each slot.
+* **The compiled decode step** (:mod:`aah.ring_decode`, CPU): where it is
+  built, one decode step is one call instead: after the write, every (batch
+  row, query head) reads the last ``min(W, length, C)`` entries of its KV
+  head's ring straight from the flat storage, in spans spread over the
+  threads, joined exactly by their maxima and sums; no mask, no gather, no
+  per-chunk join. It runs when the query has the cache's dtype and no
+  gradient is asked for; the chunked plans above remain the path elsewhere
+  (CUDA, ``AAH_RING_KERNEL=0``, no compiler) and are tested against it.
 * **A chunk of several tokens after a prefix**: masked attention over the ring
   plus the new keys, with a causal, per-head window mask built from the absolute
   position held in each slot; the new entries are written afterwards.
@@ -56,6 +64,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch.nn import functional as F
 
+from . import ring_decode
 from .backends import attend
 from .windows import window_tuple
 
@@ -335,6 +344,12 @@ class LayerKVCache:
         self._order = None if order == list(range(num_kv_heads)) else torch.tensor(
             [order.index(g) for g in range(num_kv_heads)], device=self.device
         )
+        # What the compiled decode step (aah.ring_decode) reads: each KV head's ring in the flat
+        # storage, and each query head's window.
+        self._ring_start_t = torch.tensor(self._ring_start, dtype=torch.long)
+        self._capacity_t = torch.tensor(self.capacities, dtype=torch.long)
+        self._windows_t = torch.tensor(self.windows, dtype=torch.long)
+        self._longest = max(self.capacities)
 
     # ------------------------------------------------------------------ memory
     def memory_bytes(self) -> int:
@@ -445,8 +460,14 @@ class LayerKVCache:
         )
         self._flat_keys.index_copy_(1, slots, k[:, :, 0].detach().to(self.dtype))
         self._flat_values.index_copy_(1, slots, v[:, :, 0].detach().to(self.dtype))
-        if pos < max(self.capacities):  # some ring is still filling (a full ring's slots stay 0)
+        if pos < self._longest:  # some ring is still filling (a full ring's slots stay 0)
             self._flat_unread.index_fill_(1, slots, 0.0)
+        if self._compiled_step(q):
+            out = ring_decode.ring_decode(
+                q.reshape(b, h, d).contiguous(), self._flat_keys, self._flat_values, self._ring_start_t,
+                self._capacity_t, self._windows_t, pos + 1, scale,
+            )
+            return out.view(b, h, 1, d)
         qg = q.reshape(b, self.num_kv_heads, self.group, d).to(dtype)
         outs = [plan.attend(qg, pos + 1, scale) for plan in self._plans]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
@@ -454,6 +475,14 @@ class LayerKVCache:
             out = out.index_select(1, self._order)
         out = out.reshape(b, h, 1, d)
         return out if out.dtype == q.dtype else out.to(q.dtype)
+
+    def _compiled_step(self, q: torch.Tensor) -> bool:
+        """Whether this step runs the compiled decode step: CPU, one dtype, no gradient, built."""
+        if self.device.type != "cpu" or q.dtype != self.dtype:
+            return False
+        if q.requires_grad and torch.is_grad_enabled():
+            return False
+        return ring_decode.load() is not None
 
     def _attend_ring(
         self,

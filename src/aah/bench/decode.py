@@ -15,7 +15,9 @@ is what prefill through the cache is compared with.
 The JSON object (``--json``) is a stable schema:
 
 * ``config``: the settings, with ``windows`` (per query head, the AAH model's),
-  ``acr`` and ``causal_coverage`` of those windows at the model's length ``seq_len``;
+  ``acr`` and ``causal_coverage`` of those windows at the model's length ``seq_len``,
+  and ``decode_step``: ``compiled`` (:mod:`aah.ring_decode`, both models) or
+  ``pytorch (why)``;
 * ``results``: one object per model, ``name`` (``full`` or ``aah``),
   ``prefill_s``, ``decode_tok_s`` (batch x new tokens / decode seconds),
   ``kv_bytes`` (the cache's ring buffers), ``peak_rss_mb`` (peak resident
@@ -37,6 +39,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .. import ring_decode
 from ..controller import ControllerConfig
 from ..controller.selection import share_within_kv_groups
 from ..errors import CLIError
@@ -240,6 +243,8 @@ def bench_decode(
             }
         )
     by_name = {r["name"]: r for r in results}
+    reason = ring_decode.unavailable_reason() if dev.type == "cpu" else "not on CPU"
+    decode_step = "compiled" if reason is None else f"pytorch ({reason})"
     return {
         "config": {
             "context": context,
@@ -263,6 +268,7 @@ def bench_decode(
             "device": str(dev),
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,
+            "decode_step": decode_step,
         },
         "results": results,
         "decode_speedup": by_name["aah"]["decode_tok_s"] / by_name["full"]["decode_tok_s"],
@@ -277,7 +283,7 @@ def format_table(result: dict) -> str:
         f"T {c['seq_len']}: context {c['context']} + {c['new_tokens']} new tokens, batch {c['batch']}, {c['layers']} layers, "
         f"d_model {c['d_model']}, {c['heads']} heads / {c['kv_heads']} KV heads, {c['dtype']}, {c['device']}",
         f"AAH windows {c['windows']} ({c['window_granularity']} granularity): ACR {c['acr']:.3f}, "
-        f"causal coverage {c['causal_coverage']:.3f}",
+        f"causal coverage {c['causal_coverage']:.3f}; decode step: {c['decode_step']}",
         f"{'model':<6}{'prefill s':>11}{'forward s':>11}{'decode tok/s':>14}{'ms/step':>9}"
         f"{'KV bytes':>13}{'peak RSS MiB':>14}",
     ]

@@ -1,0 +1,180 @@
+// One decode step of per-head-window attention over ring buffers, in one call (CPU).
+//
+// Paper section 5.8 (windowed execution) at inference: query head h reads the
+// last n_h = min(W_h, length, C) entries of the ring of its KV head, a ring of
+// capacity C in which absolute position p sits in slot p % C. Softmax does not
+// care about key order, so the readable entries are visited in slot order.
+//
+// The work is cut into spans of at most kSpan entries of one (batch row, head),
+// spread over the threads; each span keeps its maximum score, the sum of its
+// exponentials and its weighted sum of values, and a second pass joins the spans
+// of a head by those sums (split-key attention, exact).
+
+#include <torch/extension.h>
+
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kSpan = 256;
+
+struct Span {
+  int64_t row;    // b * H + h
+  int64_t first;  // first age of the span (age 0 is the newest entry)
+  int64_t count;  // entries in the span
+};
+
+// kDim > 0: the head dim known at compile time (loops unrolled, the running sums kept in
+// registers); kDim = 0: any head dim.
+template <typename scalar_t, int64_t kDim>
+void decode(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+            const at::Tensor& ring_start, const at::Tensor& capacity, const at::Tensor& windows,
+            int64_t length, double scale, at::Tensor& out) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t batch = q.size(0), heads = q.size(1);
+  const int64_t dim = kDim > 0 ? kDim : q.size(2);
+  const int64_t slots = keys.size(1);
+  const int64_t group = heads / ring_start.size(0);
+  const int64_t* start = ring_start.data_ptr<int64_t>();
+  const int64_t* cap = capacity.data_ptr<int64_t>();
+  const int64_t* win = windows.data_ptr<int64_t>();
+
+  std::vector<Span> spans;
+  std::vector<int64_t> first_span(batch * heads + 1);
+  for (int64_t row = 0; row < batch * heads; ++row) {
+    first_span[row] = static_cast<int64_t>(spans.size());
+    const int64_t h = row % heads;
+    const int64_t n = std::min({win[h], length, cap[h / group]});
+    for (int64_t a = 0; a < n; a += kSpan) {
+      spans.push_back({row, a, std::min(kSpan, n - a)});
+    }
+  }
+  first_span[batch * heads] = static_cast<int64_t>(spans.size());
+
+  const int64_t num_spans = static_cast<int64_t>(spans.size());
+  std::vector<acc_t> span_max(num_spans), span_sum(num_spans), span_acc(num_spans * dim);
+  const scalar_t* q_data = q.data_ptr<scalar_t>();
+  const scalar_t* k_data = keys.data_ptr<scalar_t>();
+  const scalar_t* v_data = values.data_ptr<scalar_t>();
+  const acc_t s = static_cast<acc_t>(scale);
+
+  at::parallel_for(0, num_spans, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> score(kSpan), qf(dim);
+    for (int64_t i = begin; i < end; ++i) {
+      const Span& sp = spans[i];
+      const int64_t b = sp.row / heads, h = sp.row % heads, kv = h / group;
+      const int64_t c = cap[kv];
+      const scalar_t* qp = q_data + sp.row * dim;
+      for (int64_t d = 0; d < dim; ++d) qf[d] = static_cast<acc_t>(qp[d]) * s;
+      // Ages first .. first + count - 1 hold positions length - 1 - age; walk them oldest
+      // first, so that the slots increase (wrapping once at most).
+      int64_t slot = (length - sp.first - sp.count) % c;
+      const scalar_t* k_ring = k_data + (b * slots + start[kv]) * dim;
+      const scalar_t* v_ring = v_data + (b * slots + start[kv]) * dim;
+      for (int64_t j = 0; j < sp.count; ++j) {
+        const scalar_t* kp = k_ring + slot * dim;
+        acc_t dot = 0;
+        for (int64_t d = 0; d < dim; ++d) dot += qf[d] * static_cast<acc_t>(kp[d]);
+        score[j] = dot;
+        if (++slot == c) slot = 0;
+      }
+      // No infinities anywhere (the maximum starts at a real score), so the step stays exact
+      // under the vectorising flags it is built with.
+      acc_t top = score[0];
+      for (int64_t j = 1; j < sp.count; ++j) top = std::max(top, score[j]);
+      acc_t total = 0;
+      for (int64_t j = 0; j < sp.count; ++j) {
+        score[j] = std::exp(score[j] - top);
+        total += score[j];
+      }
+      acc_t* acc = span_acc.data() + i * dim;
+      slot = (length - sp.first - sp.count) % c;
+      if constexpr (kDim > 0) {
+        acc_t sum[kDim] = {};
+        for (int64_t j = 0; j < sp.count; ++j) {
+          const acc_t p = score[j];
+          const scalar_t* vp = v_ring + slot * kDim;
+          for (int64_t d = 0; d < kDim; ++d) sum[d] += p * static_cast<acc_t>(vp[d]);
+          if (++slot == c) slot = 0;
+        }
+        std::copy(sum, sum + kDim, acc);
+      } else {
+        std::fill(acc, acc + dim, acc_t(0));
+        for (int64_t j = 0; j < sp.count; ++j) {
+          const acc_t p = score[j];
+          const scalar_t* vp = v_ring + slot * dim;
+          for (int64_t d = 0; d < dim; ++d) acc[d] += p * static_cast<acc_t>(vp[d]);
+          if (++slot == c) slot = 0;
+        }
+      }
+      span_max[i] = top;
+      span_sum[i] = total;
+    }
+  });
+
+  scalar_t* o_data = out.data_ptr<scalar_t>();
+  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> joined(dim);
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t lo = first_span[row], hi = first_span[row + 1];
+      acc_t top = span_max[lo];  // every row has at least one span (length >= 1, windows >= 1)
+      for (int64_t i = lo + 1; i < hi; ++i) top = std::max(top, span_max[i]);
+      std::fill(joined.begin(), joined.end(), acc_t(0));
+      acc_t total = 0;
+      for (int64_t i = lo; i < hi; ++i) {
+        const acc_t w = std::exp(span_max[i] - top);
+        total += w * span_sum[i];
+        const acc_t* acc = span_acc.data() + i * dim;
+        for (int64_t d = 0; d < dim; ++d) joined[d] += w * acc[d];
+      }
+      scalar_t* op = o_data + row * dim;
+      for (int64_t d = 0; d < dim; ++d) op[d] = static_cast<scalar_t>(joined[d] / total);
+    }
+  });
+}
+
+}  // namespace
+
+// q (B, H, D); keys, values (B, S, D): the rings of every KV head, KV head g in slots
+// [ring_start[g], ring_start[g] + capacity[g]); windows (H,) per query head; length:
+// positions written so far (the new one included). Returns (B, H, D) in q's dtype.
+at::Tensor ring_decode(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                       const at::Tensor& ring_start, const at::Tensor& capacity,
+                       const at::Tensor& windows, int64_t length, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && keys.device().is_cpu() && values.device().is_cpu(),
+              "ring_decode runs on CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && values.dim() == 3, "q, keys, values must be 3-d");
+  TORCH_CHECK(q.is_contiguous() && keys.is_contiguous() && values.is_contiguous(),
+              "q, keys, values must be contiguous");
+  TORCH_CHECK(keys.scalar_type() == q.scalar_type() && values.scalar_type() == q.scalar_type(),
+              "q, keys, values must share a dtype");
+  TORCH_CHECK(keys.sizes() == values.sizes() && keys.size(0) == q.size(0) && keys.size(2) == q.size(2),
+              "keys and values must be (B, S, D) with q's B and D");
+  TORCH_CHECK(ring_start.scalar_type() == at::kLong && capacity.scalar_type() == at::kLong &&
+                  windows.scalar_type() == at::kLong,
+              "ring_start, capacity, windows must be int64");
+  TORCH_CHECK(windows.numel() == q.size(1) && ring_start.numel() == capacity.numel() &&
+                  q.size(1) % ring_start.numel() == 0,
+              "one window per query head, one start and capacity per KV head");
+  TORCH_CHECK(length >= 1, "length must be at least 1");
+  at::Tensor out = at::empty_like(q);
+  const at::Tensor start = ring_start.contiguous(), cap = capacity.contiguous(), win = windows.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "ring_decode", [&] {
+    switch (q.size(2)) {
+      case 32: decode<scalar_t, 32>(q, keys, values, start, cap, win, length, scale, out); break;
+      case 64: decode<scalar_t, 64>(q, keys, values, start, cap, win, length, scale, out); break;
+      case 128: decode<scalar_t, 128>(q, keys, values, start, cap, win, length, scale, out); break;
+      default: decode<scalar_t, 0>(q, keys, values, start, cap, win, length, scale, out);
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("ring_decode", &ring_decode, "one decode step over per-head-window ring buffers");
+}

@@ -1,0 +1,89 @@
+"""The compiled decode step (aah.ring_decode) against a float64 reference built from ring positions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aah import ring_decode
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    monkeypatch.setenv("AAH_RING_KERNEL", "1")
+    reason = ring_decode.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"the compiled decode step cannot be built here: {reason}")
+    return ring_decode
+
+
+def _rings(batch, capacities, dim, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    slots = sum(capacities)
+    keys = torch.randn(batch, slots, dim, generator=gen, dtype=torch.float64).to(dtype)
+    values = torch.randn(batch, slots, dim, generator=gen, dtype=torch.float64).to(dtype)
+    starts = [sum(capacities[:g]) for g in range(len(capacities))]
+    return keys, values, starts
+
+
+def _reference(q, keys, values, starts, capacities, windows, length, scale):
+    """Query head h reads positions (length - n, length - 1] of its KV head's ring, n = min(W, length, C)."""
+    b, h, d = q.shape
+    group = h // len(capacities)
+    out = torch.empty(b, h, d, dtype=torch.float64)
+    for head in range(h):
+        g = head // group
+        cap = capacities[g]
+        n = min(windows[head], length, cap)
+        slots = [starts[g] + p % cap for p in range(length - n, length)]
+        k, v = keys[:, slots].double(), values[:, slots].double()
+        scores = torch.einsum("bd,bnd->bn", q[:, head].double(), k) * scale
+        out[:, head] = torch.einsum("bn,bnd->bd", scores.softmax(-1), v)
+    return out
+
+
+@pytest.mark.parametrize("dim", [8, 32, 64, 128])  # 8: any head dim; 32, 64, 128: unrolled
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_matches_the_reference(compiled, dim, dtype, tol):
+    capacities = [4, 600, 37]  # 600 > one span of 256 entries: spans joined by their sums
+    windows = [1, 4, 600, 300, 37, 20]  # two query heads per KV head, windows up to the capacity
+    keys, values, starts = _rings(2, capacities, dim, dtype)
+    q = torch.randn(2, 6, dim, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(dtype)
+    for length in (1, 3, 37, 599, 600, 601, 1500):  # rings filling, just full, wrapped
+        got = compiled.ring_decode(
+            q, keys, values, torch.tensor(starts), torch.tensor(capacities), torch.tensor(windows),
+            length, dim ** -0.5,
+        )
+        assert got.dtype == dtype and got.shape == q.shape
+        want = _reference(q, keys, values, starts, capacities, windows, length, dim ** -0.5)
+        torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
+def test_large_scores_stay_finite_and_exact(compiled):
+    keys, values, starts = _rings(1, [300], 16, torch.float32)
+    q = torch.full((1, 1, 16), 30.0)
+    got = compiled.ring_decode(q, keys, values, torch.tensor(starts), torch.tensor([300]),
+                               torch.tensor([300]), 300, 1.0)
+    want = _reference(q, keys, values, starts, [300], [300], 300, 1.0)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)
+
+
+def test_bad_input_is_an_error(compiled):
+    keys, values, starts = _rings(1, [8, 8], 4, torch.float32)
+    q = torch.randn(1, 2, 4)
+    args = (torch.tensor(starts), torch.tensor([8, 8]), torch.tensor([8, 8]))
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        compiled.ring_decode(q.double(), keys, values, *args, 4, 0.5)
+    with pytest.raises(RuntimeError, match="one window per query head"):
+        compiled.ring_decode(q, keys, values, args[0], args[1], torch.tensor([8]), 4, 0.5)
+    with pytest.raises(RuntimeError, match="length must be at least 1"):
+        compiled.ring_decode(q, keys, values, *args, 0, 0.5)
+
+
+def test_turned_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("AAH_RING_KERNEL", "0")
+    assert ring_decode.load() is None
+    assert ring_decode.unavailable_reason() == "turned off by AAH_RING_KERNEL=0"
+    with pytest.raises(RuntimeError, match="not available"):
+        ring_decode.ring_decode(*(torch.zeros(1),) * 6, 1, 1.0)
