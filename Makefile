@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-# torch is pinned to the CPU build only here (the package itself asks for torch>=2.5).
+# torch is pinned to the CPU build only here (the package itself asks for torch>=2.6).
 $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
