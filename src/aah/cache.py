@@ -21,7 +21,7 @@ head controller never changes its windows. A forward that finds the model's
 windows changed since then raises an error instead of decoding with stale
 windows.
 
-Three paths through a layer:
+The paths through a layer:
 
 * **Prefill** (the cache is empty): the normal execution path
   (:func:`aah.attend` with the model's backend), then the last ``C`` keys and
