@@ -62,6 +62,7 @@ def test_greedy_text_equals_generation_without_cache(run_dir: Path, capsys) -> N
     assert out.startswith("To be, or")
     last = err.strip().splitlines()[-1]
     assert "12 new tokens from checkpoint step 6" in last and "tokens/s" in last and "KV cache" in last
+    assert "decode step: compiled" in last or "decode step: pytorch (" in last
 
 
 def test_checkpoint_prompt_file_and_seeded_sampling(run_dir: Path, tmp_path: Path, capsys) -> None:

@@ -8,8 +8,9 @@ passed over. A checkpoint named with ``--checkpoint`` that is damaged is an
 error, not a fallback. The prompt is encoded with the run's own tokenizer, prefilled through
 the cache of :mod:`aah.cache`, and every new token is printed as soon as it is
 decoded (a multi-byte character waits for its last byte). The text goes to
-stdout; a last line on stderr gives the new tokens, tokens/s and the KV-cache
-bytes next to a full cache of the same length.
+stdout; a last line on stderr gives the new tokens, tokens/s, the KV-cache
+bytes next to a full cache of the same length, and which decode step ran
+(:func:`aah.ring_decode.decode_step_label`).
 
 Every expected failure (a folder that is not a run, an unknown or unreadable
 checkpoint, an empty or too long prompt, a bad option) is a
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from . import ring_decode
 from .errors import CLIError
 
 __all__ = ["add_commands", "run_generate"]
@@ -217,13 +219,14 @@ def run_generate(args: argparse.Namespace, out=None, err=None) -> dict:
         "total_tokens_per_s": count / (end - start) if end > start else None,
         "kv_bytes": cache.memory_bytes(),
         "full_kv_bytes": cache.full_memory_bytes(),
+        "decode_step": ring_decode.decode_step_label(cache.layers[0].device),
     }
     rate = "n/a" if summary["tokens_per_s"] is None else f"{summary['tokens_per_s']:.1f} tokens/s"
     err.write(
         f"-- {count} new tokens from checkpoint step {step}: {rate} decoding "
         f"(after a {summary['prefill_s']:.3f} s prefill of {len(ids)} prompt tokens); "
         f"KV cache {summary['kv_bytes']:,} bytes ({summary['kv_bytes'] / summary['full_kv_bytes']:.3f} "
-        f"of a full cache, {summary['full_kv_bytes']:,} bytes)\n"
+        f"of a full cache, {summary['full_kv_bytes']:,} bytes); decode step: {summary['decode_step']}\n"
     )
     err.flush()
     return summary

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["load", "ring_decode", "unavailable_reason"]
+__all__ = ["decode_step_label", "load", "ring_decode", "unavailable_reason"]
 
 _NAME = "aah_ring_decode"
 _SOURCE = Path(__file__).with_name("csrc") / "ring_decode.cpp"
@@ -84,6 +84,12 @@ def unavailable_reason() -> str | None:
         return "turned off by AAH_RING_KERNEL=0"
     load()
     return _state.get("error")  # type: ignore[return-value]
+
+
+def decode_step_label(device: torch.device | str) -> str:
+    """Which decode step a cache on ``device`` runs: ``compiled`` or ``pytorch (why)``, for reports."""
+    reason = unavailable_reason() if torch.device(device).type == "cpu" else "not on CPU"
+    return "compiled" if reason is None else f"pytorch ({reason})"
 
 
 def ring_decode(

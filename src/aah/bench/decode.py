@@ -243,8 +243,7 @@ def bench_decode(
             }
         )
     by_name = {r["name"]: r for r in results}
-    reason = ring_decode.unavailable_reason() if dev.type == "cpu" else "not on CPU"
-    decode_step = "compiled" if reason is None else f"pytorch ({reason})"
+    decode_step = ring_decode.decode_step_label(dev)
     return {
         "config": {
             "context": context,
