@@ -92,25 +92,24 @@ void decode(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
         score[j] = std::exp(score[j] - top);
         total += score[j];
       }
-      acc_t* acc = span_acc.data() + i * dim;
-      slot = (length - sp.first - sp.count) % c;
-      if constexpr (kDim > 0) {
-        acc_t sum[kDim] = {};
+      // Weighted sum of the values, in the same slot order as the scores.
+      auto weighted_sum = [&](acc_t* sum) {
+        int64_t at_slot = (length - sp.first - sp.count) % c;
         for (int64_t j = 0; j < sp.count; ++j) {
           const acc_t p = score[j];
-          const scalar_t* vp = v_ring + slot * kDim;
-          for (int64_t d = 0; d < kDim; ++d) sum[d] += p * static_cast<acc_t>(vp[d]);
-          if (++slot == c) slot = 0;
+          const scalar_t* vp = v_ring + at_slot * dim;
+          for (int64_t d = 0; d < dim; ++d) sum[d] += p * static_cast<acc_t>(vp[d]);
+          if (++at_slot == c) at_slot = 0;
         }
+      };
+      acc_t* acc = span_acc.data() + i * dim;
+      if constexpr (kDim > 0) {  // a local array the compiler keeps in registers
+        acc_t sum[kDim] = {};
+        weighted_sum(sum);
         std::copy(sum, sum + kDim, acc);
       } else {
         std::fill(acc, acc + dim, acc_t(0));
-        for (int64_t j = 0; j < sp.count; ++j) {
-          const acc_t p = score[j];
-          const scalar_t* vp = v_ring + slot * dim;
-          for (int64_t d = 0; d < dim; ++d) acc[d] += p * static_cast<acc_t>(vp[d]);
-          if (++slot == c) slot = 0;
-        }
+        weighted_sum(acc);
       }
       span_max[i] = top;
       span_sum[i] = total;
