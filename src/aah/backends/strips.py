@@ -33,10 +33,10 @@ For one window ``W < T`` (all heads of a window group at once):
   log-sum-exp (:mod:`aah.backends.sinks`). ``S = 0`` takes the plain path.
 
 Heads whose window covers the sequence run through one fused causal call
-(:mod:`aah.backends.sdpa`), or through the halves of
-:mod:`aah.backends.halves` when they are too few for the threads. Grouped-query KV heads are expanded to their
-query heads inside a group (a copy of ``K`` and ``V`` per group; the fused
-kernel batches only equal head counts).
+(:mod:`aah.backends.sdpa`), or through the halves of :mod:`aah.backends.halves`
+when they are too few for the threads. Grouped-query KV heads are expanded to
+their query heads inside a group (a copy of ``K`` and ``V`` per group; the
+fused kernel batches only equal head counts).
 
 The fused kernel (``aten._scaled_dot_product_flash_attention_for_cpu``)
 exists on CPU only, so this backend is CPU-only; on CUDA the ``flash`` and
