@@ -19,6 +19,7 @@ from aah.config import ConfigError, load_config
 from aah.controller import HeadController
 from aah.controller import controller as controller_module
 from aah.controller.budget import budget_capacity, window_costs
+from aah.controller.budgeted import lost_mass_metrics
 from aah.controller.lost_mass import lost_mass
 from aah.windows import causal_coverage
 
@@ -208,6 +209,45 @@ def test_budget_below_the_smallest_window_is_a_config_error(tmp_path):
     )
     assert out.returncode == 2
     assert "0.05" in out.stderr and "0.2343" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_budgeted_grouped_layout_errors_name_the_field_in_the_api_and_the_cli(tmp_path):
+    with pytest.raises(ValueError, match=r"controller\.budget_scope: budgeted_grouped decides per layer.*'model'"):
+        small_model("budgeted_grouped", budget=0.5, budget_scope="model")
+    with pytest.raises(ValueError, match=r"controller\.window_granularity: .*4 heads, 2 KV heads"):
+        small_model("budgeted_grouped", budget=0.5, window_granularity="kv_group", kv_heads=2)
+    small_model("budgeted_grouped", budget=0.5, window_granularity="kv_group")  # MHA: one head per group
+    small_model("budgeted", budget=0.5, window_granularity="kv_group", kv_heads=2)
+    with pytest.raises(ConfigError, match=r"aah\.budget_scope: budgeted_grouped"):
+        load_config(Path("configs/cpu/budgeted_grouped.yaml"), ["aah.budget_scope=model"])
+    with pytest.raises(ConfigError, match=r"aah\.window_granularity: .*8 heads, 2 KV heads"):
+        load_config(Path("configs/cpu/budgeted_grouped.yaml"), ["aah.window_granularity=kv_group",
+                                                                "model.n_kv_heads=2"])
+    out = subprocess.run(
+        [sys.executable, "-m", "aah.cli", "train", "configs/cpu/budgeted_grouped.yaml", "aah.budget_scope=model",
+         "--out", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 2
+    assert "aah.budget_scope" in out.stderr and "Traceback" not in out.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_lost_mass_metrics_average_the_tables_and_the_chosen_windows_by_hand():
+    model = small_model("budgeted", budget=0.5)
+    first, second = model.controllers()
+    assert lost_mass_metrics([first, second]) == {}  # nothing measured yet
+    first.lost_mass.copy_(torch.tensor([[0.8, 0.4, 0.2, 0.0]] * 2 + [[0.6, 0.2, 0.0, 0.0]] * 2))
+    first.lost_mass_ready.fill_(True)
+    assert lost_mass_metrics([first, second]) == {}  # one layer not measured yet
+    second.lost_mass.copy_(torch.tensor([[0.4, 0.2, 0.1, 0.0]] * 4))
+    second.lost_mass_ready.fill_(True)
+    first.pin_windows((4, 8, 16, 32))  # candidate indices 0, 1, 2, 3
+    metrics = lost_mass_metrics([first, second])  # the second layer has not decided: full windows
+    assert metrics["lost_mass"] == [pytest.approx([0.7, 0.3, 0.1, 0.0]), pytest.approx([0.4, 0.2, 0.1, 0.0])]
+    # layer 0 loses 0.8, 0.4, 0.0, 0.0 at windows 4, 8, 16, 32; layer 1 keeps every window full.
+    assert metrics["lost_mass_chosen_per_layer"] == pytest.approx([0.3, 0.0])
+    assert metrics["lost_mass_chosen"] == pytest.approx(0.15)
 
 
 TEXT = "Now is the winter of our discontent made glorious summer by this sun of York. " * 40

@@ -35,7 +35,7 @@ from typing import Any, ClassVar, Union
 import yaml
 
 from . import regimes
-from .controller.budget import check_budget
+from .controller.budget import check_budget, check_budget_layout
 from .controller.config import BUDGET_SCORINGS, ControllerConfig
 from .model import GPTConfig
 from .windows import candidate_windows
@@ -509,6 +509,11 @@ class RunConfig:
             cands = ctrl.windows if ctrl.windows is not None else candidate_windows(max_len)
             try:
                 check_budget(ctrl.budget, cands, max_len, ctrl.min_window, field="aah.budget")
+                heads = self.model.n_heads
+                kv_heads = heads if self.model.n_kv_heads is None else self.model.n_kv_heads
+                check_budget_layout(
+                    ctrl.scoring, ctrl.budget_scope, ctrl.window_granularity, heads, kv_heads, prefix="aah"
+                )
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
         if ctrl.enabled and ctrl.scoring == "fixed":

@@ -170,6 +170,32 @@ def check_budget(
     return float(budget)
 
 
+def check_budget_layout(
+    scoring: str, budget_scope: str, window_granularity: str, num_heads: int, num_kv_heads: int,
+    *, prefix: str = "controller",
+) -> None:
+    """Raise ``ValueError`` for settings a budgeted scoring cannot honour (``prefix``: the config section).
+
+    ``budgeted_grouped`` solves one knapsack per layer over the paper's
+    feature groups, so it takes ``budget_scope=layer`` only, and one window per
+    KV group (``kv_group`` with fewer KV heads than heads) would cut across those
+    groups.
+    """
+    if scoring != "budgeted_grouped":
+        return
+    if budget_scope != "layer":
+        raise ValueError(
+            f"{prefix}.budget_scope: budgeted_grouped decides per layer, so it takes layer; "
+            f"got {budget_scope!r} (model scope is available with scoring budgeted)"
+        )
+    if window_granularity == "kv_group" and num_kv_heads != num_heads:
+        raise ValueError(
+            f"{prefix}.window_granularity: budgeted_grouped groups heads by their features, so it takes "
+            f"head with grouped-query attention ({num_heads} heads, {num_kv_heads} KV heads); "
+            "kv_group is available with scoring budgeted or uniform"
+        )
+
+
 def choose_windows(
     lost,
     costs: Sequence[int],

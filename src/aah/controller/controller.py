@@ -30,7 +30,7 @@ from torch import nn
 
 from ..windows import candidate_windows
 from . import budgeted
-from .budget import check_budget
+from .budget import check_budget, check_budget_layout
 from .config import BUDGET_SCORINGS, ControllerConfig
 from .features import (
     NUM_FEATURES,
@@ -194,14 +194,9 @@ class HeadController(nn.Module):
         if cfg.scoring not in BUDGET_SCORINGS:
             return
         check_budget(cfg.budget, self.candidates, self.max_seq_len, self.min_window)
-        if cfg.scoring == "budgeted_grouped":
-            if cfg.budget_scope != "layer":
-                raise ValueError("controller.budget_scope: budgeted_grouped decides per layer; use layer")
-            if cfg.window_granularity == "kv_group" and self.num_kv_heads != self.num_heads:
-                raise ValueError(
-                    "controller.window_granularity: budgeted_grouped groups heads by features; "
-                    "kv_group is available with scoring budgeted or uniform"
-                )
+        check_budget_layout(
+            cfg.scoring, cfg.budget_scope, cfg.window_granularity, self.num_heads, self.num_kv_heads
+        )
 
     @property
     def is_decided(self) -> bool:
