@@ -489,7 +489,7 @@ class RunConfig:
         max_len = self.max_seq_len
         if self.model.max_seq_len is not None and self.data.seq_len > max_len:
             _fail("data.seq_len", f"must be <= model.max_seq_len ({max_len}), got {self.data.seq_len}")
-        _gpt_config(self, self.model.vocab_size or _PLACEHOLDER_VOCAB)
+        gpt = _gpt_config(self, self.model.vocab_size or _PLACEHOLDER_VOCAB)
         ctrl = _controller(self.aah, self.train.seed)
         origin = "model.max_seq_len" if self.model.max_seq_len is not None else "data.seq_len"
         if ctrl.windows is not None:
@@ -509,10 +509,9 @@ class RunConfig:
             cands = ctrl.windows if ctrl.windows is not None else candidate_windows(max_len)
             try:
                 check_budget(ctrl.budget, cands, max_len, ctrl.min_window, field="aah.budget")
-                heads = self.model.n_heads
-                kv_heads = heads if self.model.n_kv_heads is None else self.model.n_kv_heads
                 check_budget_layout(
-                    ctrl.scoring, ctrl.budget_scope, ctrl.window_granularity, heads, kv_heads, prefix="aah"
+                    ctrl.scoring, ctrl.budget_scope, ctrl.window_granularity, gpt.n_heads, gpt.kv_heads,
+                    prefix="aah",
                 )
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
