@@ -180,8 +180,8 @@ def test_cached_logits_equal_full_recompute(case: str, schedule: str, decode_pat
     idx = tokens(2, 48)
     ref = reference_forward(model, idx)
     calls = []
-    compiled_step = ring_decode.ring_decode
-    monkeypatch.setattr(ring_decode, "ring_decode", lambda *a: calls.append(1) or compiled_step(*a))
+    compiled_step = ring_decode.decode_block  # the model's decode steps: one call per block
+    monkeypatch.setattr(ring_decode, "decode_block", lambda *a: calls.append(1) or compiled_step(*a))
     got, cache = cached_logits(model, idx, SCHEDULES[schedule])
     steps = SCHEDULES[schedule][1:].count(1)  # one-token calls after the first: decode steps
     assert len(calls) == (steps * len(cache.layers) if decode_path == "compiled" else 0)

@@ -14,6 +14,7 @@ from torch import nn
 from .backends import attend, resolve_backend
 from .cache import LayerKVCache
 from .controller import ControllerConfig, HeadController
+from .ring_decode import linear
 
 __all__ = ["AAHAttention", "RotaryEmbedding"]
 
@@ -44,6 +45,11 @@ class RotaryEmbedding(nn.Module):
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
+
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos and sin tables (positions, head_dim), for the compiled decode step."""
+        buffers = self._buffers  # plain dictionary reads: a decode step pays per attribute lookup
+        return buffers["cos"], buffers["sin"]
 
 
 class AAHAttention(nn.Module):
@@ -105,7 +111,10 @@ class AAHAttention(nn.Module):
         if offset + t > self.max_seq_len:
             raise ValueError(f"sequence length {offset + t} exceeds max_seq_len {self.max_seq_len}")
         h, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv(x).view(b, t, h + 2 * h_kv, d)
+        qkv = linear(self.qkv, x)
+        if cache is not None and t == 1 and cache.packed_step(qkv):
+            return self._packed_decode_step(qkv.view(b, -1), cache)
+        qkv = qkv.view(b, t, h + 2 * h_kv, d)
         if self.rotary is not None:
             # Queries and keys are rotated in one call: (B, T, H + H_kv, D) seen as (B, heads, T, D).
             qk = self.rotary(qkv[:, :, : h + h_kv].transpose(1, 2), offset)
@@ -122,7 +131,7 @@ class AAHAttention(nn.Module):
         backend = self._backend_for(x)
         y = attend(q, k, v, windows, backend=backend)
         self.last_windows = windows
-        return self.out(y.transpose(1, 2).reshape(b, t, h * d))
+        return linear(self.out, y.transpose(1, 2).reshape(b, t, h * d))
 
     def check_cache(self, cache: LayerKVCache) -> None:
         """Raise ``ValueError`` unless ``cache`` fits this layer and holds its current windows."""
@@ -148,7 +157,20 @@ class AAHAttention(nn.Module):
         backend = self._backend_for(q) if cache.length == 0 else "dense"
         y = cache.update_and_attend(q, k, v, backend=backend)
         self.last_windows = cache.windows
-        return self.out(y.transpose(1, 2).reshape(b, t, h * d))
+        return linear(self.out, y.transpose(1, 2).reshape(b, t, h * d))
+
+    def _packed_decode_step(self, qkv: torch.Tensor, cache: LayerKVCache) -> torch.Tensor:
+        """One decode step from the packed projection ``qkv`` (B, (H + 2 H_kv) D), in one compiled call.
+
+        Rotary embedding, the ring write and the attention over the windows run
+        in :func:`aah.ring_decode.ring_decode_packed`; the result equals the
+        unpacked path (rotate, ``update_and_attend``) of :meth:`_cached_forward`.
+        """
+        self.check_cache(cache)
+        cos, sin = (None, None) if self.rotary is None else self.rotary.tables()
+        y = cache.decode_packed(qkv, cos, sin)
+        self.last_windows = cache.windows
+        return linear(self.out, y[:, None])
 
     def _backend_for(self, x: torch.Tensor) -> str:
         name = self.backend

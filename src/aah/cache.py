@@ -48,7 +48,11 @@ The paths through a layer:
   threads, joined exactly by their maxima and sums; no mask, no gather, no
   per-chunk join. It runs when the query has the cache's dtype and no
   gradient is asked for; the chunked plans above remain the path elsewhere
-  (CUDA, ``AAH_RING_KERNEL=0``, no compiler) and are tested against it.
+  (CUDA, ``AAH_RING_KERNEL=0``, no compiler) and are tested against it. A
+  model's decode step goes further: :meth:`LayerKVCache.decode_packed` (an
+  attention layer's rotary embedding, write and attention) and
+  :meth:`LayerKVCache.decode_block` (a whole block) run on the rings in one
+  call each.
 * **A chunk of several tokens after a prefix**: masked attention over the ring
   plus the new keys, with a causal, per-head window mask built from the absolute
   position held in each slot; the new entries are written afterwards.
@@ -478,11 +482,67 @@ class LayerKVCache:
 
     def _compiled_step(self, q: torch.Tensor) -> bool:
         """Whether this step runs the compiled decode step: CPU, one dtype, no gradient, built."""
-        if self.device.type != "cpu" or q.dtype != self.dtype:
+        if self.device.type != "cpu" or q.dtype != self.dtype or q.device.type != "cpu":
             return False
         if q.requires_grad and torch.is_grad_enabled():
             return False
         return ring_decode.load() is not None
+
+    def packed_step(self, qkv: torch.Tensor) -> bool:
+        """Whether the next decode step can run as :meth:`decode_packed` (the compiled step, see above)."""
+        return self.length > 0 and self._compiled_step(qkv)
+
+    def decode_packed(
+        self, qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, scale: float | None = None
+    ) -> torch.Tensor:
+        """One decode step from a layer's packed projection: rotate, write, attend; returns (B, H * D).
+
+        ``qkv`` (B, (H + 2 H_kv) D) holds the query, key and value heads of
+        position ``length``; ``cos``, ``sin`` the rotary tables (``None``: no
+        rotary embedding). The same step as :meth:`update_and_attend` with one
+        token, in one call of :func:`aah.ring_decode.ring_decode_packed`.
+        """
+        width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        if qkv.dim() != 2 or qkv.shape[1] != width:
+            raise ValueError(f"qkv must be (batch, {width}) for this cache, got {tuple(qkv.shape)}")
+        return self._compiled_decode(ring_decode.ring_decode_packed, qkv.detach().contiguous(), cos, sin, scale)
+
+    def decode_block(
+        self,
+        x: torch.Tensor,
+        weights: list[torch.Tensor | None],
+        norm: str,
+        eps: tuple[float, float],
+        activation: str,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """One decode step of a whole pre-norm block whose attention reads this cache; returns (B, d_model).
+
+        ``x`` (B, d_model) is the block's input at position ``length``; the
+        arguments are those of :func:`aah.ring_decode.decode_block`, which runs
+        the step in one call (:meth:`aah.model.Block.forward` uses it).
+        """
+        if x.dim() != 2:
+            raise ValueError(f"x must be (batch, d_model), got {tuple(x.shape)}")
+        head = (weights, norm, eps, activation)
+        return self._compiled_decode(
+            lambda x, *rest: ring_decode.decode_block(x, *head, *rest), x.detach().contiguous(), cos, sin, scale
+        )
+
+    def _compiled_decode(self, step, x: torch.Tensor, cos, sin, scale: float | None) -> torch.Tensor:
+        """Run a compiled decode ``step`` on the rings for position ``length``, then count the position."""
+        self.check_step(x.shape[0], 1)
+        if self.length == 0:
+            raise ValueError("a compiled decode step continues a prefix: prefill the cache first")
+        scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
+        out = step(
+            x, cos, sin, self._flat_keys, self._flat_values, self._flat_unread,
+            self._ring_start_t, self._capacity_t, self._windows_t, self.length + 1, scale,
+        )
+        self.length += 1
+        return out
 
     def _attend_ring(
         self,

@@ -14,11 +14,13 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from .attention import AAHAttention
 from .cache import LayerKVCache, WindowKVCache
 from .controller import ControllerConfig, HeadController
 from .controller.budgeted import settle_model_budget
+from .ring_decode import linear
 from .windows import acr, causal_coverage
 
 __all__ = ["GPTConfig", "GPT", "NORMS", "ACTIVATIONS", "POSITIONALS"]
@@ -94,15 +96,12 @@ class MLP(nn.Module):
         self.down = nn.Linear(cfg.ff_dim, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.up(x)
         if self.activation == "swiglu":
-            gate, value = h.chunk(2, dim=-1)
+            gate, value = linear(self.up, x).chunk(2, dim=-1)
             h = F.silu(gate) * value
-        elif self.activation == "gelu":
-            h = F.gelu(h)
-        else:
-            h = F.relu(h)
-        return self.down(h)
+        else:  # the activation applied by the projection (fused in a decode step)
+            h = linear(self.up, x, self.activation)
+        return linear(self.down, h)
 
 
 class Block(nn.Module):
@@ -128,8 +127,58 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, *, cache: LayerKVCache | None = None) -> torch.Tensor:
+        if cache is not None and x.shape[1] == 1 and self._compiled_step_ready(x, cache):
+            return self._compiled_decode_step(x, cache)
         x = x + self.dropout(self.attn(self.norm1(x), cache=cache))
         return x + self.dropout(self.mlp(self.norm2(x)))
+
+    def _compiled_step_ready(self, x: torch.Tensor, cache: LayerKVCache) -> bool:
+        """Whether this decode step can run in one compiled call: see :meth:`_compiled_decode_step`."""
+        if not cache.packed_step(x) or _global_forward_hooks or _global_forward_pre_hooks:
+            return False
+        modules = self._step_modules()
+        if x.dtype != modules[3]._parameters["weight"].dtype:
+            return False
+        return not any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+    def _step_modules(self) -> tuple[nn.Module, ...]:
+        """The block, norm1, attn, attn.qkv, attn.out, norm2, mlp, mlp.up, mlp.down.
+
+        Read from the module dictionaries: a decode step pays for every ``nn.Module`` attribute lookup.
+        """
+        mods = self._modules
+        attn, mlp = mods["attn"], mods["mlp"]
+        return (self, mods["norm1"], attn, attn._modules["qkv"], attn._modules["out"], mods["norm2"], mlp,
+                mlp._modules["up"], mlp._modules["down"])
+
+    def _compiled_decode_step(self, x: torch.Tensor, cache: LayerKVCache) -> torch.Tensor:
+        """One decode step of the whole block in one call of :func:`aah.ring_decode.decode_block`.
+
+        The same arithmetic as the module path in evaluation mode (where dropout
+        is the identity): norm, QKV projection, rotary embedding, ring write,
+        attention over each head's window, output projection, residual, norm,
+        MLP, residual. It runs where :meth:`LayerKVCache.packed_step` allows
+        (CPU, the cache's dtype, no gradient, the compiled step built) and no
+        forward hook is registered on the block's modules. The caller
+        (:meth:`GPT.forward`) has checked that the cache holds this layer's
+        windows.
+        """
+        _, n1, attn, qkv, out, n2, mlp, up, down = self._step_modules()
+        weights = [
+            module._parameters.get(name)
+            for module in (n1, qkv, out, n2, up, down)
+            for name in ("weight", "bias")
+        ]
+        norm = "layernorm" if isinstance(n1, nn.LayerNorm) else "rmsnorm"
+        # RMSNorm's default eps is that of the dtype it computes in (float32 for bfloat16 input).
+        default_eps = torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps
+        eps = (default_eps if n1.eps is None else n1.eps, default_eps if n2.eps is None else n2.eps)
+        cos, sin = (None, None) if attn.rotary is None else attn.rotary.tables()
+        b = x.shape[0]
+        y = cache.decode_block(x.view(b, -1), weights, norm, eps, mlp.activation, cos, sin)
+        if attn.last_windows != cache.windows:  # nn.Module.__setattr__ costs a few microseconds a step
+            attn.last_windows = cache.windows
+        return y.view(b, 1, -1)
 
 
 class GPT(nn.Module):
@@ -196,7 +245,7 @@ class GPT(nn.Module):
             x = block(x, cache=None if cache is None else cache.layers[i])
         if self.training and self.controller_config is not None and self.controller_config.budget_scope == "model":
             settle_model_budget(self.controllers())  # one budget for all layers (aah.budget_scope=model)
-        logits = self.head(self.norm(x))
+        logits = linear(self.head, self.norm(x))
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))

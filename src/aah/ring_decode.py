@@ -1,35 +1,47 @@
-"""The compiled decode step over per-head-window ring buffers (CPU), built once per machine.
+"""The compiled decode step (CPU), built once per machine.
 
-One decode step of :class:`aah.cache.LayerKVCache` is small: a token's query
-against, per head, the last ``W`` cached keys (paper section 5.8, windowed
-execution at inference). In PyTorch it takes a dozen operator calls (the
-query gathered per chunk, one fused attention call, the chunks joined by
-their log-sum-exps), whose fixed per-call costs outweigh the keys a short
-window saves. ``csrc/ring_decode.cpp`` does the whole step in one call: every
-(batch row, head) reads only its window of its KV head's ring, in spans of at
-most 256 entries spread over the threads, and the spans of a head are joined
-exactly by their maxima and sums.
+One decode step is small: per layer a token's query against, per head, the
+last ``W`` cached keys (paper section 5.8, windowed execution at inference),
+and one row through each weight matrix. In PyTorch it takes some fifty
+operator calls per layer, whose fixed costs outweigh the keys a short window
+saves. ``csrc/`` holds the compiled replacements:
 
-It is built with ``torch.utils.cpp_extension`` (a C++ compiler and ninja) the
-first time a process needs it, into ``$TORCH_EXTENSIONS_DIR`` (default
-``~/.cache/torch_extensions``), which takes about a minute once per machine and
-torch version; later processes load the built library. Where it cannot be
-built, the cache keeps its PyTorch path, with the same results (tested against
-each other). ``AAH_RING_KERNEL=0`` turns it off.
+* :func:`ring_decode`: attention of one query per head over each head's
+  window of its KV head's ring, in spans of at most 256 entries spread over
+  the threads and joined exactly by their maxima and sums;
+* :func:`ring_decode_packed`: the rotary embedding, the ring write and that
+  attention, from a layer's packed QKV projection (:class:`aah.AAHAttention`);
+* :func:`linear_rows`: a linear layer for a few rows (:func:`linear` picks it),
+  each weight row read once for all rows, with GELU or ReLU applied on the
+  way out;
+* :func:`decode_block`: a whole pre-norm block of :mod:`aah.model` (norms,
+  projections, attention, MLP, residuals) in one call, which is what
+  ``GPT.forward`` runs for each layer of a decode step.
+
+The extension is built with ``torch.utils.cpp_extension`` (a C++ compiler and
+ninja) the first time a process needs it, into ``$TORCH_EXTENSIONS_DIR``
+(default ``~/.cache/torch_extensions``), in a folder named after the torch
+version, the CPU capability and a hash of the sources. It takes about a
+minute once per machine and source version; later processes load the built
+library. Where it cannot be built, the PyTorch paths run, with the same
+results (tested against each other). ``AAH_RING_KERNEL=0`` turns it off.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 from pathlib import Path
 
 import torch
+from torch.nn import functional as F
 
-__all__ = ["decode_step_label", "load", "ring_decode", "unavailable_reason"]
+__all__ = ["ACTIVATIONS", "LINEAR_ROWS_MAX", "decode_step_label", "linear", "linear_rows", "load", "ring_decode", "ring_decode_packed", "decode_block", "unavailable_reason"]
 
 _NAME = "aah_ring_decode"
-_SOURCE = Path(__file__).with_name("csrc") / "ring_decode.cpp"
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = [_CSRC / "decode_step.cpp"]  # it includes the headers beside it
 _state: dict[str, object] = {}  # "module" or "error", once tried
 
 
@@ -53,7 +65,16 @@ def _build_directory() -> Path:
         os.path.expanduser("~"), ".cache", "torch_extensions"
     )
     tag = f"torch{torch.__version__}_py{sys.version_info.major}{sys.version_info.minor}_{_capability()}"
-    return Path(root) / f"{_NAME}_{tag.replace('+', '_').lower()}"
+    return Path(root) / f"{_NAME}_{tag.replace('+', '_').lower()}_{_source_digest()}"
+
+
+def _source_digest() -> str:
+    """A short hash of the sources: a changed kernel builds into a new folder, next to the old one."""
+    digest = hashlib.sha256()
+    for source in sorted(_CSRC.iterdir()):
+        if source.suffix in (".cpp", ".h"):
+            digest.update(source.read_bytes())
+    return digest.hexdigest()[:10]
 
 
 def load():
@@ -70,7 +91,7 @@ def load():
                 print("aah: building the compiled decode step (once per machine and torch "
                       f"version, about a minute) in {build}", file=sys.stderr, flush=True)
             _state["module"] = load_extension(
-                name=_NAME, sources=[str(_SOURCE)], build_directory=str(build),
+                name=_NAME, sources=[str(s) for s in _SOURCES], build_directory=str(build),
                 extra_cflags=_flags(), extra_ldflags=["-fopenmp"], verbose=False,
             )
         except Exception as exc:  # no compiler, no ninja, a read-only home: keep the PyTorch path
@@ -111,7 +132,127 @@ def ring_decode(
     written (the newest included). Returns (B, H, D). Raises ``RuntimeError``
     when the extension is not available (see :func:`load`).
     """
+    return _module().ring_decode(q, keys, values, ring_start, capacity, windows, int(length), float(scale))
+
+
+def ring_decode_packed(
+    qkv: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    unread: torch.Tensor,
+    ring_start: torch.Tensor,
+    capacity: torch.Tensor,
+    windows: torch.Tensor,
+    length: int,
+    scale: float,
+) -> torch.Tensor:
+    """One whole decode step of a layer from its packed QKV projection; returns (B, H * D).
+
+    ``qkv`` (B, (H + 2 H_kv) D) holds the query heads, key heads and value heads
+    of position ``length - 1``. With ``cos`` and ``sin`` (the tables of
+    :class:`aah.attention.RotaryEmbedding`, (positions, D); ``None`` for no
+    rotary embedding) the query and the key are rotated at that position as
+    the module does. The key and value
+    go into slot ``(length - 1) % C`` of their KV head's ring in ``keys`` /
+    ``values`` (and that slot of ``unread``, the additive mask of unwritten
+    slots, becomes 0); then the query attends as :func:`ring_decode`.
+    """
+    module = _module()
+    empty = qkv.new_empty(0, dtype=torch.float32)
+    return module.ring_decode_packed(
+        qkv, empty if cos is None else cos, empty if sin is None else sin, keys, values, unread,
+        ring_start, capacity, windows, int(length), float(scale),
+    )
+
+
+def decode_block(
+    x: torch.Tensor,
+    weights: list[torch.Tensor | None],
+    norm: str,
+    eps: tuple[float, float],
+    activation: str,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    unread: torch.Tensor,
+    ring_start: torch.Tensor,
+    capacity: torch.Tensor,
+    windows: torch.Tensor,
+    length: int,
+    scale: float,
+) -> torch.Tensor:
+    """One decode step of a pre-norm block, ``x + out(attn(qkv(norm1(x))))`` then ``x + down(act(up(norm2(x))))``.
+
+    ``x`` (B, d_model); ``weights`` the 12 tensors ``[norm1 weight, norm1 bias,
+    qkv weight, qkv bias, out weight, out bias, norm2 weight, norm2 bias, up
+    weight, up bias, down weight, down bias]`` (``None`` where absent); ``norm``
+    ``layernorm`` or ``rmsnorm`` with the two norms' ``eps``; ``activation``
+    ``gelu``, ``relu`` or ``swiglu``. The attention is :func:`ring_decode_packed`
+    (its arguments follow). Returns the block's output (B, d_model).
+    """
+    empty = x.new_empty(0, dtype=torch.float32)
+    return _module().decode_block(
+        x, weights, norm, float(eps[0]), float(eps[1]), activation, empty if cos is None else cos,
+        empty if sin is None else sin, keys, values, unread, ring_start, capacity, windows, int(length), float(scale),
+    )
+
+
+#: Activations :func:`linear_rows` and :func:`linear` can apply to their output.
+ACTIVATIONS = ("none", "gelu", "relu")
+
+
+def linear_rows(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "none"
+) -> torch.Tensor:
+    """``activation(x @ weight.T + bias)`` for ``x`` (N, I) of a few rows, reading ``weight`` (O, I) once.
+
+    ``activation`` is one of :data:`ACTIVATIONS`; ``gelu`` is the exact (erf) form.
+    """
+    return _module().linear_rows(x, weight, bias, activation)
+
+
+def _module():
     module = load()
     if module is None:
         raise RuntimeError(f"the compiled decode step is not available: {unavailable_reason()}")
-    return module.ring_decode(q, keys, values, ring_start, capacity, windows, int(length), float(scale))
+    return module
+
+
+#: Up to this many rows, :func:`linear` runs :func:`linear_rows` (on 2 CPU cores it beats the
+#: general matrix product up to 8 rows in float32 and 16 in bfloat16; ``aah bench decode``).
+LINEAR_ROWS_MAX = 8
+
+
+def linear(layer: torch.nn.Linear, x: torch.Tensor, activation: str = "none") -> torch.Tensor:
+    """``activation(layer(x))``; in inference on CPU, for at most :data:`LINEAR_ROWS_MAX` rows, in :func:`linear_rows`.
+
+    That is a decode step's case: one row per sequence. Anything else (a
+    gradient to keep, many rows, another device or dtype, forward hooks on
+    the layer, no compiled step) is the layer's own forward.
+    """
+    weight = layer.weight
+    rows = x.numel() // weight.shape[1] if weight.shape[1] else 0
+    if (
+        0 < rows <= LINEAR_ROWS_MAX
+        and x.device.type == "cpu"
+        and x.dtype == weight.dtype
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and weight.is_contiguous()
+        and not (layer._forward_hooks or layer._forward_pre_hooks)
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and load() is not None
+    ):
+        flat = x.reshape(rows, weight.shape[1])
+        y = _module().linear_rows(flat if flat.is_contiguous() else flat.contiguous(), weight, layer.bias, activation)
+        return y.view(*x.shape[:-1], weight.shape[0])
+    y = layer(x)
+    if activation == "gelu":
+        return F.gelu(y)
+    if activation == "relu":
+        return F.relu(y)
+    if activation != "none":
+        raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}; got {activation!r}")
+    return y

@@ -1,3 +1,4 @@
+#pragma once
 // One decode step of per-head-window attention over ring buffers, in one call (CPU).
 //
 // Paper section 5.8 (windowed execution) at inference: query head h reads the
@@ -19,7 +20,8 @@
 #include <cmath>
 #include <vector>
 
-namespace {
+namespace aah {
+
 
 constexpr int64_t kSpan = 256;
 
@@ -137,43 +139,48 @@ void decode(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
   });
 }
 
-}  // namespace
 
-// q (B, H, D); keys, values (B, S, D): the rings of every KV head, KV head g in slots
-// [ring_start[g], ring_start[g] + capacity[g]); windows (H,) per query head; length:
-// positions written so far (the new one included). Returns (B, H, D) in q's dtype.
-at::Tensor ring_decode(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                       const at::Tensor& ring_start, const at::Tensor& capacity,
-                       const at::Tensor& windows, int64_t length, double scale) {
-  TORCH_CHECK(q.device().is_cpu() && keys.device().is_cpu() && values.device().is_cpu(),
-              "ring_decode runs on CPU tensors");
-  TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && values.dim() == 3, "q, keys, values must be 3-d");
-  TORCH_CHECK(q.is_contiguous() && keys.is_contiguous() && values.is_contiguous(),
-              "q, keys, values must be contiguous");
-  TORCH_CHECK(keys.scalar_type() == q.scalar_type() && values.scalar_type() == q.scalar_type(),
-              "q, keys, values must share a dtype");
-  TORCH_CHECK(keys.sizes() == values.sizes() && keys.size(0) == q.size(0) && keys.size(2) == q.size(2),
-              "keys and values must be (B, S, D) with q's B and D");
+inline void check_rings(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& ring_start,
+                 const at::Tensor& capacity, const at::Tensor& windows, int64_t length) {
+  TORCH_CHECK(keys.device().is_cpu() && values.device().is_cpu(), "ring_decode runs on CPU tensors");
+  TORCH_CHECK(keys.dim() == 3 && values.dim() == 3, "keys, values must be 3-d");
+  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "keys, values must be contiguous");
+  TORCH_CHECK(keys.sizes() == values.sizes() && values.scalar_type() == keys.scalar_type(),
+              "keys and values must be (B, S, D) of one dtype");
   TORCH_CHECK(ring_start.scalar_type() == at::kLong && capacity.scalar_type() == at::kLong &&
                   windows.scalar_type() == at::kLong,
               "ring_start, capacity, windows must be int64");
-  TORCH_CHECK(windows.numel() == q.size(1) && ring_start.numel() == capacity.numel() &&
-                  q.size(1) % ring_start.numel() == 0,
+  TORCH_CHECK(ring_start.numel() == capacity.numel() && ring_start.numel() >= 1 &&
+                  windows.numel() % ring_start.numel() == 0,
               "one window per query head, one start and capacity per KV head");
   TORCH_CHECK(length >= 1, "length must be at least 1");
-  at::Tensor out = at::empty_like(q);
-  const at::Tensor start = ring_start.contiguous(), cap = capacity.contiguous(), win = windows.contiguous();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "ring_decode", [&] {
-    switch (q.size(2)) {
-      case 32: decode<scalar_t, 32>(q, keys, values, start, cap, win, length, scale, out); break;
-      case 64: decode<scalar_t, 64>(q, keys, values, start, cap, win, length, scale, out); break;
-      case 128: decode<scalar_t, 128>(q, keys, values, start, cap, win, length, scale, out); break;
-      default: decode<scalar_t, 0>(q, keys, values, start, cap, win, length, scale, out);
-    }
-  });
-  return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("ring_decode", &ring_decode, "one decode step over per-head-window ring buffers");
+template <typename scalar_t>
+void attend_rings(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                  const at::Tensor& start, const at::Tensor& cap, const at::Tensor& win, int64_t length,
+                  double scale, at::Tensor& out) {
+  switch (q.size(2)) {
+    case 32: decode<scalar_t, 32>(q, keys, values, start, cap, win, length, scale, out); break;
+    case 64: decode<scalar_t, 64>(q, keys, values, start, cap, win, length, scale, out); break;
+    case 128: decode<scalar_t, 128>(q, keys, values, start, cap, win, length, scale, out); break;
+    default: decode<scalar_t, 0>(q, keys, values, start, cap, win, length, scale, out);
+  }
 }
+
+// Rotate-half rotary embedding of one head vector, as aah.attention.RotaryEmbedding:
+// x * cos + cat(-x[half:], x[:half]) * sin. cos == nullptr: no rotary embedding (a copy).
+template <typename scalar_t>
+void rotate(const scalar_t* x, const float* cos, const float* sin, int64_t dim, scalar_t* y) {
+  if (cos == nullptr) {
+    std::copy(x, x + dim, y);
+    return;
+  }
+  const int64_t half = dim / 2;
+  for (int64_t d = 0; d < dim; ++d) {
+    const float other = d < half ? -static_cast<float>(x[d + half]) : static_cast<float>(x[d - half]);
+    y[d] = static_cast<scalar_t>(static_cast<float>(x[d]) * cos[d] + other * sin[d]);
+  }
+}
+
+}  // namespace aah

@@ -1,0 +1,257 @@
+// The entry points of the compiled decode step (aah.ring_decode), CPU.
+//
+// ring_decode: attention of one query per head over per-head-window ring buffers;
+// ring_decode_packed: rotary embedding, ring write and that attention, from a layer's
+// packed QKV projection; linear_rows: the linear layers of a decode step (a few rows);
+// decode_block: one whole pre-norm transformer block of a decode step, in one call.
+
+#include "linear_rows.h"
+#include "ring_attention.h"
+
+using namespace aah;
+
+// x (N, I), weight (O, I), bias (O,) or None, one dtype: returns activation(x @ weight.T + bias),
+// (N, O); activation "none", "gelu" or "relu".
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                       const std::string& activation) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "linear_rows runs on CPU tensors");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "x must be (N, I) and weight (O, I)");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "x and weight must be contiguous");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight must share a dtype");
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->is_contiguous() &&
+                    bias->scalar_type() == x.scalar_type(),
+                "bias must be a contiguous (O,) tensor of x's dtype");
+  }
+  TORCH_CHECK(activation == "none" || activation == "gelu" || activation == "relu",
+              "activation must be none, gelu or relu, got ", activation);
+  const Activation act = activation == "gelu"   ? Activation::kGelu
+                         : activation == "relu" ? Activation::kRelu
+                                                : Activation::kNone;
+  at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linear_rows", [&] {
+    linear<scalar_t>(x.data_ptr<scalar_t>(), x.size(0), x.size(1), weight.data_ptr<scalar_t>(), weight.size(0),
+                     has_bias ? bias->data_ptr<scalar_t>() : nullptr, act, out.data_ptr<scalar_t>());
+  });
+  return out;
+}
+
+
+// q (B, H, D); keys, values (B, S, D): the rings of every KV head, KV head g in slots
+// [ring_start[g], ring_start[g] + capacity[g]); windows (H,) per query head; length:
+// positions written so far (the new one included). Returns (B, H, D) in q's dtype.
+at::Tensor ring_decode(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                       const at::Tensor& ring_start, const at::Tensor& capacity,
+                       const at::Tensor& windows, int64_t length, double scale) {
+  check_rings(keys, values, ring_start, capacity, windows, length);
+  TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.is_contiguous(), "q must be a contiguous 3-d CPU tensor");
+  TORCH_CHECK(keys.scalar_type() == q.scalar_type(), "q, keys, values must share a dtype");
+  TORCH_CHECK(keys.size(0) == q.size(0) && keys.size(2) == q.size(2),
+              "keys and values must be (B, S, D) with q's B and D");
+  TORCH_CHECK(windows.numel() == q.size(1), "one window per query head, one start and capacity per KV head");
+  at::Tensor out = at::empty_like(q);
+  const at::Tensor start = ring_start.contiguous(), cap = capacity.contiguous(), win = windows.contiguous();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "ring_decode", [&] {
+    attend_rings<scalar_t>(q, keys, values, start, cap, win, length, scale, out);
+  });
+  return out;
+}
+
+// One whole decode step of a layer from its packed projection. qkv (B, (H + 2 H_kv) D): the
+// query heads, the key heads and the value heads of the new position length - 1, as the
+// layer's QKV projection gives them; cos, sin: the rotary tables (positions, D) of
+// aah.attention.RotaryEmbedding, of which row length - 1 is used, or empty tensors (no rotary
+// embedding); unread (1, S): the additive mask of the slots not
+// written yet, kept for the PyTorch path. Rotates the query and the key, writes the key and
+// the value into slot (length - 1) % C of their KV head's ring (marking it written), then
+// attends as ring_decode. Returns (B, H * D), the heads side by side.
+at::Tensor ring_decode_packed(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                              at::Tensor& keys, at::Tensor& values, at::Tensor& unread,
+                              const at::Tensor& ring_start, const at::Tensor& capacity,
+                              const at::Tensor& windows, int64_t length, double scale) {
+  check_rings(keys, values, ring_start, capacity, windows, length);
+  const int64_t batch = keys.size(0), slots = keys.size(1), dim = keys.size(2);
+  const int64_t heads = windows.numel(), kv_heads = ring_start.numel();
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.dim() == 2 && qkv.is_contiguous(), "qkv must be a contiguous 2-d CPU tensor");
+  TORCH_CHECK(qkv.scalar_type() == keys.scalar_type(), "qkv, keys, values must share a dtype");
+  TORCH_CHECK(qkv.size(0) == batch && qkv.size(1) == (heads + 2 * kv_heads) * dim,
+              "qkv must be (B, (H + 2 H_kv) D) with the rings' B and D");
+  const bool rotary = cos.numel() > 0;
+  TORCH_CHECK(!rotary || (cos.dim() == 2 && sin.sizes() == cos.sizes() && cos.size(1) == dim &&
+                          cos.size(0) >= length && dim % 2 == 0 && cos.is_floating_point() &&
+                          sin.is_floating_point()),
+              "cos and sin must be rotary tables (positions, D) holding position length - 1 (or both empty)");
+  // The row of the new position, in float32 (a no-op for float32 tables).
+  const at::Tensor cos_row = rotary ? cos.select(0, length - 1).to(at::kFloat).contiguous() : cos;
+  const at::Tensor sin_row = rotary ? sin.select(0, length - 1).to(at::kFloat).contiguous() : sin;
+  TORCH_CHECK(unread.scalar_type() == at::kFloat && unread.numel() == slots && unread.is_contiguous(),
+              "unread must be a contiguous float32 (1, S) mask");
+  const at::Tensor start = ring_start.contiguous(), cap = capacity.contiguous(), win = windows.contiguous();
+  const int64_t* st = start.data_ptr<int64_t>();
+  const int64_t* cp = cap.data_ptr<int64_t>();
+  at::Tensor q = at::empty({batch, heads, dim}, qkv.options());
+  at::Tensor out = at::empty_like(q);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "ring_decode_packed", [&] {
+    const float* c = rotary ? cos_row.data_ptr<float>() : nullptr;
+    const float* s = rotary ? sin_row.data_ptr<float>() : nullptr;
+    const scalar_t* x = qkv.data_ptr<scalar_t>();
+    scalar_t* qp = q.data_ptr<scalar_t>();
+    scalar_t* kp = keys.data_ptr<scalar_t>();
+    scalar_t* vp = values.data_ptr<scalar_t>();
+    float* mask = unread.data_ptr<float>();
+    for (int64_t b = 0; b < batch; ++b) {
+      const scalar_t* row = x + b * qkv.size(1);
+      for (int64_t h = 0; h < heads; ++h) rotate(row + h * dim, c, s, dim, qp + (b * heads + h) * dim);
+      for (int64_t g = 0; g < kv_heads; ++g) {
+        const int64_t slot = st[g] + (length - 1) % cp[g];
+        rotate(row + (heads + g) * dim, c, s, dim, kp + (b * slots + slot) * dim);
+        const scalar_t* v_new = row + (heads + kv_heads + g) * dim;
+        std::copy(v_new, v_new + dim, vp + (b * slots + slot) * dim);
+        mask[slot] = 0.0f;
+      }
+    }
+    attend_rings<scalar_t>(q, keys, values, start, cap, win, length, scale, out);
+  });
+  return out.view({batch, heads * dim});
+}
+
+namespace {
+
+// LayerNorm (rms false: weight, bias optional) or RMSNorm (rms true: weight optional) of each
+// row, computed in float32 as torch.nn.LayerNorm and torch.nn.RMSNorm do.
+template <typename scalar_t>
+void norm_rows(const scalar_t* x, int64_t rows, int64_t dim, const scalar_t* weight, const scalar_t* bias,
+               bool rms, double eps, scalar_t* y) {
+  using acc_t = at::opmath_type<scalar_t>;
+  for (int64_t r = 0; r < rows; ++r) {
+    const scalar_t* xr = x + r * dim;
+    acc_t mean = 0;
+    if (!rms) {
+      for (int64_t d = 0; d < dim; ++d) mean += static_cast<acc_t>(xr[d]);
+      mean /= dim;
+    }
+    acc_t var = 0;
+    for (int64_t d = 0; d < dim; ++d) {
+      const acc_t c = static_cast<acc_t>(xr[d]) - mean;
+      var += c * c;
+    }
+    const acc_t inv = acc_t(1) / std::sqrt(var / dim + static_cast<acc_t>(eps));
+    for (int64_t d = 0; d < dim; ++d) {
+      acc_t v = (static_cast<acc_t>(xr[d]) - mean) * inv;
+      if (weight != nullptr) v *= static_cast<acc_t>(weight[d]);
+      if (bias != nullptr) v += static_cast<acc_t>(bias[d]);
+      y[r * dim + d] = static_cast<scalar_t>(v);
+    }
+  }
+}
+
+// a += b, elementwise, rounded to scalar_t as a PyTorch addition is.
+template <typename scalar_t>
+void add_into(scalar_t* a, const scalar_t* b, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) a[i] = static_cast<scalar_t>(static_cast<float>(a[i]) + static_cast<float>(b[i]));
+}
+
+const at::Tensor* present(const std::vector<c10::optional<at::Tensor>>& weights, size_t i) {
+  return weights[i].has_value() && weights[i]->defined() ? &*weights[i] : nullptr;
+}
+
+enum Weight { kNorm1W, kNorm1B, kQkvW, kQkvB, kOutW, kOutB, kNorm2W, kNorm2B, kUpW, kUpB, kDownW, kDownB, kWeights };
+
+}  // namespace
+
+// One decode step of a pre-norm transformer block (aah.model.Block) in one call:
+//   x = x + out(attention(qkv(norm1(x))));  x = x + down(act(up(norm2(x))))
+// with the attention of ring_decode_packed. x (B, d_model); weights: the 12 tensors
+// [norm1 weight, norm1 bias, qkv weight, qkv bias, out weight, out bias, norm2 weight,
+// norm2 bias, up weight, up bias, down weight, down bias], None where the layer has none;
+// norm "layernorm" or "rmsnorm" (eps1, eps2 the norms' epsilons); activation "gelu", "relu"
+// or "swiglu" (up gives the gate, then the value: silu(gate) * value). The rest as
+// ring_decode_packed. Returns the block's output (B, d_model).
+at::Tensor decode_block(const at::Tensor& x, const std::vector<c10::optional<at::Tensor>>& weights,
+                        const std::string& norm, double eps1, double eps2, const std::string& activation,
+                        const at::Tensor& cos, const at::Tensor& sin, at::Tensor& keys, at::Tensor& values,
+                        at::Tensor& unread, const at::Tensor& ring_start, const at::Tensor& capacity,
+                        const at::Tensor& windows, int64_t length, double scale) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous 2-d CPU tensor");
+  TORCH_CHECK(weights.size() == kWeights, "weights must hold the block's 12 tensors (None where absent)");
+  TORCH_CHECK(norm == "layernorm" || norm == "rmsnorm", "norm must be layernorm or rmsnorm, got ", norm);
+  TORCH_CHECK(activation == "gelu" || activation == "relu" || activation == "swiglu",
+              "activation must be gelu, relu or swiglu, got ", activation);
+  for (size_t i = 0; i < kWeights; ++i) {
+    const at::Tensor* w = present(weights, i);
+    TORCH_CHECK(w != nullptr || (i != kQkvW && i != kOutW && i != kUpW && i != kDownW),
+                "the qkv, out, up and down weights are required");
+    TORCH_CHECK(w == nullptr || (w->device().is_cpu() && w->is_contiguous() && w->scalar_type() == x.scalar_type()),
+                "every weight must be a contiguous CPU tensor of x's dtype");
+  }
+  const int64_t batch = x.size(0), model = x.size(1);
+  const at::Tensor& qkv_w = *present(weights, kQkvW);
+  const at::Tensor& out_w = *present(weights, kOutW);
+  const at::Tensor& up_w = *present(weights, kUpW);
+  const at::Tensor& down_w = *present(weights, kDownW);
+  const int64_t hidden = down_w.size(1);
+  const int64_t up_features = activation == "swiglu" ? 2 * hidden : hidden;
+  TORCH_CHECK(qkv_w.dim() == 2 && qkv_w.size(1) == model && out_w.dim() == 2 && out_w.size(0) == model &&
+                  up_w.dim() == 2 && up_w.size(0) == up_features && up_w.size(1) == model &&
+                  down_w.dim() == 2 && down_w.size(0) == model,
+              "the weights do not fit x's width and each other");
+  for (int i : {kNorm1W, kNorm1B, kNorm2W, kNorm2B, kOutB, kDownB}) {
+    TORCH_CHECK(present(weights, i) == nullptr || present(weights, i)->numel() == model,
+                "the norm weights and the out and down biases must have d_model entries");
+  }
+  TORCH_CHECK((present(weights, kQkvB) == nullptr || present(weights, kQkvB)->numel() == qkv_w.size(0)) &&
+                  (present(weights, kUpB) == nullptr || present(weights, kUpB)->numel() == up_features),
+              "the qkv and up biases must have one entry per output feature");
+  const bool rms = norm == "rmsnorm";
+  at::Tensor y = x.clone();
+  at::Tensor normed = at::empty_like(x);
+  at::Tensor qkv = at::empty({batch, qkv_w.size(0)}, x.options());
+  at::Tensor projected = at::empty_like(x);
+  at::Tensor up = at::empty({batch, up_features}, x.options());
+  at::Tensor gated = activation == "swiglu" ? at::empty({batch, hidden}, x.options()) : up;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "decode_block", [&] {
+    auto data = [&](int i) -> const scalar_t* {
+      const at::Tensor* w = present(weights, i);
+      return w == nullptr ? nullptr : w->data_ptr<scalar_t>();
+    };
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    scalar_t* np = normed.data_ptr<scalar_t>();
+    scalar_t* pp = projected.data_ptr<scalar_t>();
+    norm_rows(yp, batch, model, data(kNorm1W), data(kNorm1B), rms, eps1, np);
+    linear(np, batch, model, data(kQkvW), qkv_w.size(0), data(kQkvB), Activation::kNone, qkv.data_ptr<scalar_t>());
+    at::Tensor heads = ring_decode_packed(qkv, cos, sin, keys, values, unread, ring_start, capacity, windows,
+                                          length, scale);
+    TORCH_CHECK(heads.size(1) == out_w.size(1), "the out weight must take the H * D attention outputs");
+    linear(heads.data_ptr<scalar_t>(), batch, out_w.size(1), data(kOutW), model, data(kOutB), Activation::kNone, pp);
+    add_into(yp, pp, batch * model);
+    norm_rows(yp, batch, model, data(kNorm2W), data(kNorm2B), rms, eps2, np);
+    const Activation act = activation == "gelu" ? Activation::kGelu
+                           : activation == "relu" ? Activation::kRelu
+                                                  : Activation::kNone;
+    scalar_t* upp = up.data_ptr<scalar_t>();
+    linear(np, batch, model, data(kUpW), up_features, data(kUpB), act, upp);
+    if (activation == "swiglu") {
+      scalar_t* gp = gated.data_ptr<scalar_t>();
+      for (int64_t r = 0; r < batch; ++r) {
+        for (int64_t i = 0; i < hidden; ++i) {
+          const float gate = static_cast<float>(upp[r * up_features + i]);
+          const float value = static_cast<float>(upp[r * up_features + hidden + i]);
+          gp[r * hidden + i] = static_cast<scalar_t>(gate / (1.0f + std::exp(-gate)) * value);
+        }
+      }
+    }
+    linear(gated.data_ptr<scalar_t>(), batch, hidden, data(kDownW), model, data(kDownB), Activation::kNone, pp);
+    add_into(yp, pp, batch * model);
+  });
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("ring_decode", &ring_decode, "one decode step over per-head-window ring buffers");
+  m.def("ring_decode_packed", &ring_decode_packed,
+        "rotary, ring write and attention of one decode step, from the packed QKV projection");
+  m.def("linear_rows", &linear_rows, "activation(x @ weight.T + bias) for a few rows, reading the weight once");
+  m.def("decode_block", &decode_block, "one decode step of a pre-norm transformer block, in one call");
+}

@@ -1,0 +1,225 @@
+"""The compiled decode step's linear layers, packed attention step and whole-block step (aah.ring_decode).
+
+References: float64 matrix products and activations written here, the
+RotaryEmbedding of aah.attention with ring_decode (tested against its own
+reference in test_ring_decode.py), and the model's module path.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from aah import GPT, ControllerConfig, GPTConfig, ring_decode
+from aah.attention import AAHAttention, RotaryEmbedding
+from aah.cache import LayerKVCache
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    monkeypatch.setenv("AAH_RING_KERNEL", "1")
+    reason = ring_decode.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"the compiled decode step cannot be built here: {reason}")
+    return ring_decode
+
+
+ACTIVATIONS64 = {"none": lambda y: y, "gelu": lambda y: F.gelu(y), "relu": F.relu}
+
+
+# ---------------------------------------------------------------------- linear_rows
+@pytest.mark.parametrize("activation", ["none", "gelu", "relu"])
+@pytest.mark.parametrize("in_features", [256, 37])  # 37: the loop remainders past the 32- and 8-wide blocks
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float64, 1e-12)])
+def test_linear_rows_matches_float64(compiled, activation, in_features, rows, dtype, tol):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, in_features, generator=gen, dtype=torch.float64).to(dtype)
+    weight = (torch.randn(70, in_features, generator=gen, dtype=torch.float64) / math.sqrt(in_features)).to(dtype)
+    bias = torch.randn(70, generator=gen, dtype=torch.float64).to(dtype)
+    for b in (None, bias):
+        got = compiled.linear_rows(x, weight, b, activation)
+        assert got.dtype == dtype and got.shape == (rows, 70)
+        want = x.double() @ weight.double().T + (0 if b is None else b.double())
+        torch.testing.assert_close(got.double(), ACTIVATIONS64[activation](want), atol=tol, rtol=tol)
+
+
+def test_linear_rows_rejects_bad_input(compiled):
+    x, w = torch.randn(2, 8), torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        compiled.linear_rows(x.double(), w)
+    with pytest.raises(RuntimeError, match=r"x must be \(N, I\) and weight \(O, I\)"):
+        compiled.linear_rows(x, torch.randn(4, 9))
+    with pytest.raises(RuntimeError, match="bias must be"):
+        compiled.linear_rows(x, w, torch.randn(5))
+    with pytest.raises(RuntimeError, match="activation must be none, gelu or relu"):
+        compiled.linear_rows(x, w, None, "tanh")
+
+
+def test_linear_takes_the_kernel_only_for_few_rows_without_gradient(compiled, monkeypatch):
+    layer = torch.nn.Linear(16, 12)
+    calls = []
+    kernel = compiled._module().linear_rows
+    monkeypatch.setattr(compiled, "_module", lambda: type("M", (), {"linear_rows": lambda *a: calls.append(1) or kernel(*a)}))
+    x = torch.randn(2, 1, 16)
+    with torch.no_grad():
+        want = F.gelu(layer(x))
+        got = compiled.linear(layer, x, "gelu")
+        assert len(calls) == 1 and got.shape == (2, 1, 12)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        many = torch.randn(compiled.LINEAR_ROWS_MAX + 1, 16)
+        torch.testing.assert_close(compiled.linear(layer, many), layer(many))  # too many rows: the module
+        assert len(calls) == 1
+    y = compiled.linear(layer, x, "relu")  # a gradient is wanted: the module, differentiable
+    assert y.requires_grad and len(calls) == 1
+    torch.testing.assert_close(y, F.relu(layer(x)))
+    seen = []
+    handle = layer.register_forward_hook(lambda *_: seen.append(1))
+    with torch.no_grad():
+        compiled.linear(layer, x)
+    handle.remove()
+    assert seen == [1] and len(calls) == 1  # a hook on the layer runs: the module path
+    with pytest.raises(ValueError, match="activation must be one of none, gelu, relu"):
+        compiled.linear(layer, torch.randn(20, 16), "tanh")
+
+
+# ---------------------------------------------------------------------- packed attention step
+@pytest.mark.parametrize("rotary", [True, False])
+def test_packed_step_rotates_writes_and_attends(compiled, rotary):
+    heads, kv_heads, dim, length = 4, 2, 16, 9
+    windows, capacities = [2, 8, 8, 3], [8, 8]
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(2, 16, dim, generator=gen)
+    values = torch.randn(2, 16, dim, generator=gen)
+    unread = torch.full((1, 16), -1.0e30)
+    qkv = torch.randn(2, (heads + 2 * kv_heads) * dim, generator=gen)
+    rope = RotaryEmbedding(dim, 32)
+    cos, sin = rope.tables() if rotary else (None, None)  # the kernel reads row length - 1
+    starts, caps, wins = torch.tensor([0, 8]), torch.tensor(capacities), torch.tensor(windows)
+    before_k, before_v = keys.clone(), values.clone()
+    out = compiled.ring_decode_packed(qkv, cos, sin, keys, values, unread, starts, caps, wins, length, dim**-0.5)
+    assert out.shape == (2, heads * dim)
+
+    split = qkv.view(2, heads + 2 * kv_heads, 1, dim).transpose(1, 2)  # (B, 1, heads, D)
+    q, k, v = split[:, 0, :heads], split[:, 0, heads : heads + kv_heads], split[:, 0, heads + kv_heads :]
+    if rotary:  # the module's rotation at position length - 1
+        q = rope(q[:, :, None], length - 1)[:, :, 0]
+        k = rope(k[:, :, None], length - 1)[:, :, 0]
+    slot = (length - 1) % 8
+    want_k, want_v = before_k.clone(), before_v.clone()
+    for g in range(kv_heads):
+        want_k[:, 8 * g + slot], want_v[:, 8 * g + slot] = k[:, g], v[:, g]
+    torch.testing.assert_close(keys, want_k, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(values, want_v, rtol=0, atol=0)
+    assert unread[0, [slot, 8 + slot]].tolist() == [0.0, 0.0]
+    assert (unread != 0).sum() == 14
+    want = compiled.ring_decode(q.contiguous(), want_k, want_v, starts, caps, wins, length, dim**-0.5)
+    torch.testing.assert_close(out, want.reshape(2, heads * dim), rtol=1e-5, atol=1e-6)
+
+
+def test_packed_step_rejects_bad_input(compiled):
+    keys, values, unread = torch.zeros(1, 8, 4), torch.zeros(1, 8, 4), torch.zeros(1, 8)
+    args = (keys, values, unread, torch.tensor([0]), torch.tensor([8]), torch.tensor([8, 8]), 3, 0.5)
+    with pytest.raises(RuntimeError, match=r"qkv must be \(B, \(H \+ 2 H_kv\) D\)"):
+        compiled.ring_decode_packed(torch.zeros(1, 15), None, None, *args)
+    with pytest.raises(RuntimeError, match="cos and sin must be rotary tables"):
+        compiled.ring_decode_packed(torch.zeros(1, 16), torch.zeros(3), torch.zeros(3), *args)
+    with pytest.raises(RuntimeError, match="holding position length - 1"):  # 2 positions, length 3
+        compiled.ring_decode_packed(torch.zeros(1, 16), torch.zeros(2, 4), torch.zeros(2, 4), *args)
+
+
+def test_attention_module_decodes_through_the_packed_step(compiled, monkeypatch):
+    """AAHAttention alone with a LayerKVCache: the packed step equals the unpacked PyTorch step."""
+    torch.manual_seed(0)
+    attn = AAHAttention(32, 4, 2, max_seq_len=32, controller=ControllerConfig(windows=(2, 4, 8), scoring="none"))
+    attn.aah_state.pin_windows((2, 8, 4, 2))
+    attn.eval()
+    x = torch.randn(2, 12, 32)
+    outs = {}
+    for kernel in ("1", "0"):
+        monkeypatch.setenv("AAH_RING_KERNEL", kernel)
+        cache = LayerKVCache(attn.current_windows(32), 2, 8, batch_size=2, max_len=32)
+        with torch.no_grad():
+            parts = [attn(x[:, :5], cache=cache)] + [attn(x[:, i : i + 1], cache=cache) for i in range(5, 12)]
+        outs[kernel] = torch.cat(parts, dim=1)
+    torch.testing.assert_close(outs["1"], outs["0"], rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        torch.testing.assert_close(outs["1"], attn(x), rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------- whole-block step
+VARIANTS = {
+    "layernorm_gelu_rope": dict(norm="layernorm", activation="gelu", positional="rope", bias=False),
+    "layernorm_relu_learned_bias": dict(norm="layernorm", activation="relu", positional="learned", bias=True),
+    "rmsnorm_swiglu_rope_bias": dict(norm="rmsnorm", activation="swiglu", positional="rope", bias=True),
+    "rmsnorm_gelu_learned": dict(norm="rmsnorm", activation="gelu", positional="learned", bias=False),
+}
+
+
+def _variant_model(variant: str, dtype: torch.dtype = torch.float32) -> GPT:
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=50, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, max_seq_len=40, **VARIANTS[variant])
+    model = GPT(cfg, ControllerConfig(windows=(2, 4, 8, 40), scoring="none"))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3) if p.dim() >= 2 else p.uniform_(0.5, 1.5)  # biases and norm weights away from 0, 1
+    for ctrl, w in zip(model.controllers(), [(2, 8, 40, 4), (4, 2, 2, 8)], strict=True):
+        ctrl.pin_windows(w)
+    return model.to(dtype).eval()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_block_step_equals_the_module_path_and_the_full_forward(compiled, monkeypatch, variant):
+    model = _variant_model(variant)
+    idx = torch.randint(0, 50, (2, 30), generator=torch.Generator().manual_seed(1))
+    calls = []
+    block_step = compiled.decode_block
+    monkeypatch.setattr(compiled, "decode_block", lambda *a: calls.append(1) or block_step(*a))
+    logits = {}
+    for kernel in ("1", "0"):
+        monkeypatch.setenv("AAH_RING_KERNEL", kernel)
+        cache = model.new_cache(2)
+        with torch.no_grad():
+            parts = [model(idx[:, :7], cache=cache)[0]] + [model(idx[:, i : i + 1], cache=cache)[0] for i in range(7, 30)]
+        logits[kernel] = torch.cat(parts, dim=1)
+    assert len(calls) == 23 * 2  # every decode step of both blocks, with the kernel only
+    torch.testing.assert_close(logits["1"], logits["0"], rtol=1e-5, atol=5e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(logits["1"], model(idx)[0], rtol=1e-5, atol=5e-5)
+
+
+def test_bfloat16_block_step_is_as_accurate_as_the_module_path(compiled, monkeypatch):
+    """Against the float32 model with the same (bf16-rounded) weights, both bf16 paths err alike."""
+    model = _variant_model("rmsnorm_swiglu_rope_bias", torch.bfloat16)
+    reference = _variant_model("rmsnorm_swiglu_rope_bias", torch.bfloat16).float()
+    idx = torch.randint(0, 50, (1, 20), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = reference(idx)[0][:, 5:]
+    errors = {}
+    for kernel in ("1", "0"):
+        monkeypatch.setenv("AAH_RING_KERNEL", kernel)
+        cache = model.new_cache(1)
+        with torch.no_grad():
+            model(idx[:, :5], cache=cache)
+            got = torch.cat([model(idx[:, i : i + 1], cache=cache)[0] for i in range(5, 20)], dim=1)
+        assert got.dtype == torch.bfloat16
+        errors[kernel] = (got.float() - want).abs().mean().item()
+    assert errors["1"] < 1.5 * errors["0"], errors
+
+
+def test_a_forward_hook_keeps_the_module_path(compiled, monkeypatch):
+    model = _variant_model("layernorm_gelu_rope")
+    calls, seen = [], []
+    block_step = compiled.decode_block
+    monkeypatch.setattr(compiled, "decode_block", lambda *a: calls.append(1) or block_step(*a))
+    model.blocks[1].mlp.register_forward_hook(lambda *_: seen.append(1))
+    cache = model.new_cache(1)
+    idx = torch.randint(0, 50, (1, 6), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        model(idx[:, :4], cache=cache)
+        model(idx[:, 4:5], cache=cache)
+    assert len(calls) == 1  # block 0 in one call; block 1 runs its modules, so its hook sees the step
+    assert seen == [1, 1]
