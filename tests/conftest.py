@@ -33,6 +33,18 @@ def ref_attention():
     return reference_attention
 
 
+@pytest.fixture
+def compiled(monkeypatch):
+    """The compiled decode step (aah.ring_decode), turned on; the test is skipped where it cannot be built."""
+    from aah import ring_decode
+
+    monkeypatch.setenv("AAH_RING_KERNEL", "1")
+    reason = ring_decode.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"the compiled decode step cannot be built here: {reason}")
+    return ring_decode
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _backend_choice_cache(tmp_path_factory):
     """Calibrated ``backend="auto"`` choices go to a temporary folder, never the user's cache."""

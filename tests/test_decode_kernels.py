@@ -13,19 +13,9 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from aah import GPT, ControllerConfig, GPTConfig, ring_decode
+from aah import GPT, ControllerConfig, GPTConfig
 from aah.attention import AAHAttention, RotaryEmbedding
 from aah.cache import LayerKVCache
-
-
-@pytest.fixture
-def compiled(monkeypatch):
-    monkeypatch.setenv("AAH_RING_KERNEL", "1")
-    reason = ring_decode.unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"the compiled decode step cannot be built here: {reason}")
-    return ring_decode
-
 
 ACTIVATIONS64 = {"none": lambda y: y, "gelu": lambda y: F.gelu(y), "relu": F.relu}
 
@@ -100,7 +90,8 @@ def test_packed_step_rotates_writes_and_attends(compiled, rotary):
     cos, sin = rope.tables() if rotary else (None, None)  # the kernel reads row length - 1
     starts, caps, wins = torch.tensor([0, 8]), torch.tensor(capacities), torch.tensor(windows)
     before_k, before_v = keys.clone(), values.clone()
-    out = compiled.ring_decode_packed(qkv, cos, sin, keys, values, unread, starts, caps, wins, length, dim**-0.5)
+    rings = compiled.Rings(keys, values, unread, starts, caps, wins)
+    out = compiled.ring_decode_packed(qkv, cos, sin, rings, length, dim**-0.5)
     assert out.shape == (2, heads * dim)
 
     split = qkv.view(2, heads + 2 * kv_heads, 1, dim).transpose(1, 2)  # (B, 1, heads, D)
@@ -122,7 +113,7 @@ def test_packed_step_rotates_writes_and_attends(compiled, rotary):
 
 def test_packed_step_rejects_bad_input(compiled):
     keys, values, unread = torch.zeros(1, 8, 4), torch.zeros(1, 8, 4), torch.zeros(1, 8)
-    args = (keys, values, unread, torch.tensor([0]), torch.tensor([8]), torch.tensor([8, 8]), 3, 0.5)
+    args = (compiled.Rings(keys, values, unread, torch.tensor([0]), torch.tensor([8]), torch.tensor([8, 8])), 3, 0.5)
     with pytest.raises(RuntimeError, match=r"qkv must be \(B, \(H \+ 2 H_kv\) D\)"):
         compiled.ring_decode_packed(torch.zeros(1, 15), None, None, *args)
     with pytest.raises(RuntimeError, match="cos and sin must be rotary tables"):

@@ -8,15 +8,6 @@ import torch
 from aah import ring_decode
 
 
-@pytest.fixture
-def compiled(monkeypatch):
-    monkeypatch.setenv("AAH_RING_KERNEL", "1")
-    reason = ring_decode.unavailable_reason()
-    if reason is not None:
-        pytest.skip(f"the compiled decode step cannot be built here: {reason}")
-    return ring_decode
-
-
 def _rings(batch, capacities, dim, dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
     slots = sum(capacities)

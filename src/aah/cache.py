@@ -350,9 +350,12 @@ class LayerKVCache:
         )
         # What the compiled decode step (aah.ring_decode) reads: each KV head's ring in the flat
         # storage, and each query head's window.
-        self._ring_start_t = torch.tensor(self._ring_start, dtype=torch.long)
-        self._capacity_t = torch.tensor(self.capacities, dtype=torch.long)
-        self._windows_t = torch.tensor(self.windows, dtype=torch.long)
+        self._rings = ring_decode.Rings(
+            self._flat_keys, self._flat_values, self._flat_unread,
+            torch.tensor(self._ring_start, dtype=torch.long),
+            torch.tensor(self.capacities, dtype=torch.long),
+            torch.tensor(self.windows, dtype=torch.long),
+        )
         self._longest = max(self.capacities)
 
     # ------------------------------------------------------------------ memory
@@ -468,8 +471,8 @@ class LayerKVCache:
             self._flat_unread.index_fill_(1, slots, 0.0)
         if self._compiled_step(q):
             out = ring_decode.ring_decode(
-                q.reshape(b, h, d).contiguous(), self._flat_keys, self._flat_values, self._ring_start_t,
-                self._capacity_t, self._windows_t, pos + 1, scale,
+                q.reshape(b, h, d).contiguous(), self._flat_keys, self._flat_values, self._rings.ring_start,
+                self._rings.capacity, self._rings.windows, pos + 1, scale,
             )
             return out.view(b, h, 1, d)
         qg = q.reshape(b, self.num_kv_heads, self.group, d).to(dtype)
@@ -508,27 +511,18 @@ class LayerKVCache:
         return self._compiled_decode(ring_decode.ring_decode_packed, qkv.detach().contiguous(), cos, sin, scale)
 
     def decode_block(
-        self,
-        x: torch.Tensor,
-        weights: list[torch.Tensor | None],
-        norm: str,
-        eps: tuple[float, float],
-        activation: str,
-        cos: torch.Tensor | None,
-        sin: torch.Tensor | None,
-        scale: float | None = None,
+        self, x: torch.Tensor, block: ring_decode.Block, cos: torch.Tensor | None, sin: torch.Tensor | None
     ) -> torch.Tensor:
         """One decode step of a whole pre-norm block whose attention reads this cache; returns (B, d_model).
 
-        ``x`` (B, d_model) is the block's input at position ``length``; the
-        arguments are those of :func:`aah.ring_decode.decode_block`, which runs
-        the step in one call (:meth:`aah.model.Block.forward` uses it).
+        ``x`` (B, d_model) is the block's input at position ``length``; ``cos``,
+        ``sin`` the rotary tables (``None``: none). The step runs in one call of
+        :func:`aah.ring_decode.decode_block` (:meth:`aah.model.Block.forward` uses it).
         """
         if x.dim() != 2:
             raise ValueError(f"x must be (batch, d_model), got {tuple(x.shape)}")
-        head = (weights, norm, eps, activation)
         return self._compiled_decode(
-            lambda x, *rest: ring_decode.decode_block(x, *head, *rest), x.detach().contiguous(), cos, sin, scale
+            lambda x, *rest: ring_decode.decode_block(x, block, *rest), x.detach().contiguous(), cos, sin, None
         )
 
     def _compiled_decode(self, step, x: torch.Tensor, cos, sin, scale: float | None) -> torch.Tensor:
@@ -537,10 +531,7 @@ class LayerKVCache:
         if self.length == 0:
             raise ValueError("a compiled decode step continues a prefix: prefill the cache first")
         scale = 1.0 / math.sqrt(self.head_dim) if scale is None else float(scale)
-        out = step(
-            x, cos, sin, self._flat_keys, self._flat_values, self._flat_unread,
-            self._ring_start_t, self._capacity_t, self._windows_t, self.length + 1, scale,
-        )
+        out = step(x, cos, sin, self._rings, self.length + 1, scale)
         self.length += 1
         return out
 

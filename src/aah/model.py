@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
+from . import ring_decode
 from .attention import AAHAttention
 from .cache import LayerKVCache, WindowKVCache
 from .controller import ControllerConfig, HeadController
@@ -175,7 +176,7 @@ class Block(nn.Module):
         eps = (default_eps if n1.eps is None else n1.eps, default_eps if n2.eps is None else n2.eps)
         cos, sin = (None, None) if attn.rotary is None else attn.rotary.tables()
         b = x.shape[0]
-        y = cache.decode_block(x.view(b, -1), weights, norm, eps, mlp.activation, cos, sin)
+        y = cache.decode_block(x.view(b, -1), ring_decode.Block(weights, norm, eps, mlp.activation), cos, sin)
         if attn.last_windows != cache.windows:  # nn.Module.__setattr__ costs a few microseconds a step
             attn.last_windows = cache.windows
         return y.view(b, 1, -1)

@@ -33,11 +33,12 @@ import hashlib
 import os
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch.nn import functional as F
 
-__all__ = ["ACTIVATIONS", "LINEAR_ROWS_MAX", "decode_step_label", "linear", "linear_rows", "load", "ring_decode", "ring_decode_packed", "decode_block", "unavailable_reason"]
+__all__ = ["ACTIVATIONS", "LINEAR_ROWS_MAX", "decode_step_label", "linear", "linear_rows", "load", "ring_decode", "ring_decode_packed", "decode_block", "Block", "Rings", "unavailable_reason"]
 
 _NAME = "aah_ring_decode"
 _CSRC = Path(__file__).with_name("csrc")
@@ -135,18 +136,33 @@ def ring_decode(
     return _module().ring_decode(q, keys, values, ring_start, capacity, windows, int(length), float(scale))
 
 
+class Rings(NamedTuple):
+    """A layer's ring buffers as the compiled steps read them (built once by :class:`aah.cache.LayerKVCache`).
+
+    ``keys``, ``values`` (B, S, D): every KV head's ring, KV head ``g`` in slots
+    ``ring_start[g] .. ring_start[g] + capacity[g]``; ``unread`` (1, S): the
+    additive mask of slots not written yet (the PyTorch path's); ``windows``
+    (H,): each query head's window. The index tensors are int64.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    unread: torch.Tensor
+    ring_start: torch.Tensor
+    capacity: torch.Tensor
+    windows: torch.Tensor
+
+
+def _tables(reference: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary tables for the extension: empty tensors stand for no rotary embedding."""
+    if cos is None or sin is None:
+        empty = reference.new_empty(0, dtype=torch.float32)
+        return empty, empty
+    return cos, sin
+
+
 def ring_decode_packed(
-    qkv: torch.Tensor,
-    cos: torch.Tensor | None,
-    sin: torch.Tensor | None,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    unread: torch.Tensor,
-    ring_start: torch.Tensor,
-    capacity: torch.Tensor,
-    windows: torch.Tensor,
-    length: int,
-    scale: float,
+    qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, rings: Rings, length: int, scale: float
 ) -> torch.Tensor:
     """One whole decode step of a layer from its packed QKV projection; returns (B, H * D).
 
@@ -154,49 +170,47 @@ def ring_decode_packed(
     of position ``length - 1``. With ``cos`` and ``sin`` (the tables of
     :class:`aah.attention.RotaryEmbedding`, (positions, D); ``None`` for no
     rotary embedding) the query and the key are rotated at that position as
-    the module does. The key and value
-    go into slot ``(length - 1) % C`` of their KV head's ring in ``keys`` /
-    ``values`` (and that slot of ``unread``, the additive mask of unwritten
-    slots, becomes 0); then the query attends as :func:`ring_decode`.
+    the module does. The key and value go into slot ``(length - 1) % C`` of
+    their KV head's ring (and that slot of ``rings.unread`` becomes 0); then
+    the query attends as :func:`ring_decode`.
     """
-    module = _module()
-    empty = qkv.new_empty(0, dtype=torch.float32)
-    return module.ring_decode_packed(
-        qkv, empty if cos is None else cos, empty if sin is None else sin, keys, values, unread,
-        ring_start, capacity, windows, int(length), float(scale),
-    )
+    return _module().ring_decode_packed(qkv, *_tables(qkv, cos, sin), *rings, int(length), float(scale))
+
+
+class Block(NamedTuple):
+    """What :func:`decode_block` needs of a pre-norm block besides its cache (see :class:`aah.model.Block`).
+
+    ``weights``: the 12 tensors ``[norm1 weight, norm1 bias, qkv weight, qkv
+    bias, out weight, out bias, norm2 weight, norm2 bias, up weight, up bias,
+    down weight, down bias]``, ``None`` where absent; ``norm``: ``layernorm``
+    or ``rmsnorm``; ``eps``: the two norms' epsilons; ``activation``: ``gelu``,
+    ``relu`` or ``swiglu`` (the up projection gives the gate, then the value).
+    """
+
+    weights: list[torch.Tensor | None]
+    norm: str
+    eps: tuple[float, float]
+    activation: str
 
 
 def decode_block(
     x: torch.Tensor,
-    weights: list[torch.Tensor | None],
-    norm: str,
-    eps: tuple[float, float],
-    activation: str,
+    block: Block,
     cos: torch.Tensor | None,
     sin: torch.Tensor | None,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    unread: torch.Tensor,
-    ring_start: torch.Tensor,
-    capacity: torch.Tensor,
-    windows: torch.Tensor,
+    rings: Rings,
     length: int,
     scale: float,
 ) -> torch.Tensor:
     """One decode step of a pre-norm block, ``x + out(attn(qkv(norm1(x))))`` then ``x + down(act(up(norm2(x))))``.
 
-    ``x`` (B, d_model); ``weights`` the 12 tensors ``[norm1 weight, norm1 bias,
-    qkv weight, qkv bias, out weight, out bias, norm2 weight, norm2 bias, up
-    weight, up bias, down weight, down bias]`` (``None`` where absent); ``norm``
-    ``layernorm`` or ``rmsnorm`` with the two norms' ``eps``; ``activation``
-    ``gelu``, ``relu`` or ``swiglu``. The attention is :func:`ring_decode_packed`
-    (its arguments follow). Returns the block's output (B, d_model).
+    ``x`` (B, d_model) at position ``length - 1``; the attention is
+    :func:`ring_decode_packed` (the arguments after ``block`` are its own).
+    Returns the block's output (B, d_model).
     """
-    empty = x.new_empty(0, dtype=torch.float32)
     return _module().decode_block(
-        x, weights, norm, float(eps[0]), float(eps[1]), activation, empty if cos is None else cos,
-        empty if sin is None else sin, keys, values, unread, ring_start, capacity, windows, int(length), float(scale),
+        x, block.weights, block.norm, float(block.eps[0]), float(block.eps[1]), block.activation,
+        *_tables(x, cos, sin), *rings, int(length), float(scale),
     )
 
 
