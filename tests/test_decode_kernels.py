@@ -72,6 +72,14 @@ def test_linear_takes_the_kernel_only_for_few_rows_without_gradient(compiled, mo
         compiled.linear(layer, x)
     handle.remove()
     assert seen == [1] and len(calls) == 1  # a hook on the layer runs: the module path
+    class Doubled(torch.nn.Linear):  # a subclass computing something else keeps its own forward
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    doubled = Doubled(16, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled.linear(doubled, x), 2 * F.linear(x, doubled.weight, doubled.bias))
+    assert len(calls) == 1
     with pytest.raises(ValueError, match="activation must be one of none, gelu, relu"):
         compiled.linear(layer, torch.randn(20, 16), "tanh")
 
@@ -129,6 +137,9 @@ def test_attention_module_decodes_through_the_packed_step(compiled, monkeypatch)
     attn.aah_state.pin_windows((2, 8, 4, 2))
     attn.eval()
     x = torch.randn(2, 12, 32)
+    calls = []
+    packed = compiled.ring_decode_packed
+    monkeypatch.setattr(compiled, "ring_decode_packed", lambda *a: calls.append(1) or packed(*a))
     outs = {}
     for kernel in ("1", "0"):
         monkeypatch.setenv("AAH_RING_KERNEL", kernel)
@@ -136,6 +147,7 @@ def test_attention_module_decodes_through_the_packed_step(compiled, monkeypatch)
         with torch.no_grad():
             parts = [attn(x[:, :5], cache=cache)] + [attn(x[:, i : i + 1], cache=cache) for i in range(5, 12)]
         outs[kernel] = torch.cat(parts, dim=1)
+    assert len(calls) == 7  # the decode steps with the kernel on
     torch.testing.assert_close(outs["1"], outs["0"], rtol=1e-5, atol=1e-6)
     with torch.no_grad():
         torch.testing.assert_close(outs["1"], attn(x), rtol=1e-5, atol=1e-6)
@@ -189,6 +201,9 @@ def test_bfloat16_block_step_is_as_accurate_as_the_module_path(compiled, monkeyp
     idx = torch.randint(0, 50, (1, 20), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         want = reference(idx)[0][:, 5:]
+    calls = []
+    block_step = compiled.decode_block
+    monkeypatch.setattr(compiled, "decode_block", lambda *a: calls.append(1) or block_step(*a))
     errors = {}
     for kernel in ("1", "0"):
         monkeypatch.setenv("AAH_RING_KERNEL", kernel)
@@ -198,6 +213,7 @@ def test_bfloat16_block_step_is_as_accurate_as_the_module_path(compiled, monkeyp
             got = torch.cat([model(idx[:, i : i + 1], cache=cache)[0] for i in range(5, 20)], dim=1)
         assert got.dtype == torch.bfloat16
         errors[kernel] = (got.float() - want).abs().mean().item()
+    assert len(calls) == 15 * 2  # the bf16 steps ran the block kernel
     assert errors["1"] < 1.5 * errors["0"], errors
 
 
@@ -214,3 +230,60 @@ def test_a_forward_hook_keeps_the_module_path(compiled, monkeypatch):
         model(idx[:, 4:5], cache=cache)
     assert len(calls) == 1  # block 0 in one call; block 1 runs its modules, so its hook sees the step
     assert seen == [1, 1]
+
+
+def test_block_step_reads_long_windows_at_head_dim_32(compiled, monkeypatch):
+    """Head dim 32 (the unrolled kernel) and windows past one span of 256 entries, against the module path."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=50, n_layers=2, d_model=64, n_heads=2, n_kv_heads=1, max_seq_len=640, backend="dense")
+    model = GPT(cfg, ControllerConfig(windows=(40, 300, 640), scoring="none"))
+    for ctrl, w in zip(model.controllers(), [(300, 640), (640, 40)], strict=True):
+        ctrl.pin_windows(w)
+    model.eval()
+    idx = torch.randint(0, 50, (2, 580), generator=torch.Generator().manual_seed(4))
+    calls = []
+    block_step = compiled.decode_block
+    monkeypatch.setattr(compiled, "decode_block", lambda *a: calls.append(1) or block_step(*a))
+    logits = {}
+    for kernel in ("1", "0"):
+        monkeypatch.setenv("AAH_RING_KERNEL", kernel)
+        cache = model.new_cache(2)
+        with torch.no_grad():
+            model(idx[:, :560], cache=cache)
+            logits[kernel] = torch.cat([model(idx[:, i : i + 1], cache=cache)[0] for i in range(560, 580)], dim=1)
+    assert len(calls) == 20 * 2
+    torch.testing.assert_close(logits["1"], logits["0"], rtol=1e-5, atol=5e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(logits["1"], model(idx)[0][:, 560:], rtol=1e-5, atol=5e-5)
+
+
+def test_gradients_float64_and_training_keep_the_module_path(compiled, monkeypatch):
+    calls = []
+    block_step = compiled.decode_block
+    monkeypatch.setattr(compiled, "decode_block", lambda *a: calls.append(1) or block_step(*a))
+    idx = torch.randint(0, 50, (1, 8), generator=torch.Generator().manual_seed(5))
+    model = _variant_model("layernorm_gelu_rope")
+    cache = model.new_cache(1)
+    with torch.no_grad():
+        model(idx[:, :7], cache=cache)
+    logits, _ = model(idx[:, 7:], cache=cache)  # gradients on: the modules, so the weights get them
+    logits.sum().backward()
+    assert calls == [] and model.blocks[0].mlp.up.weight.grad is not None
+    model64 = _variant_model("rmsnorm_swiglu_rope_bias", torch.float64)
+    cache = model64.new_cache(1, dtype=torch.float64)
+    with torch.no_grad():
+        model64(idx[:, :7], cache=cache)
+        step, _ = model64(idx[:, 7:], cache=cache)
+        full, _ = model64(idx)
+    assert calls == []  # float64 keeps the module path, at float64 accuracy
+    torch.testing.assert_close(step[:, 0], full[:, -1], rtol=1e-10, atol=1e-10)
+
+
+def test_ring_decode_rejects_rings_outside_the_storage(compiled):
+    keys, values, q = torch.zeros(1, 8, 4), torch.zeros(1, 8, 4), torch.zeros(1, 2, 4)
+    with pytest.raises(RuntimeError, match="every window must be >= 1"):
+        compiled.ring_decode(q, keys, values, torch.tensor([0]), torch.tensor([8]), torch.tensor([8, 0]), 3, 0.5)
+    with pytest.raises(RuntimeError, match="lie within the S slots"):
+        compiled.ring_decode(q, keys, values, torch.tensor([4]), torch.tensor([8]), torch.tensor([8, 8]), 3, 0.5)
+    with pytest.raises(RuntimeError, match="capacity >= 1"):
+        compiled.ring_decode(q, keys, values, torch.tensor([0]), torch.tensor([0]), torch.tensor([8, 8]), 3, 0.5)

@@ -492,8 +492,8 @@ class LayerKVCache:
         return ring_decode.load() is not None
 
     def packed_step(self, qkv: torch.Tensor) -> bool:
-        """Whether the next decode step can run as :meth:`decode_packed` (the compiled step, see above)."""
-        return self.length > 0 and self._compiled_step(qkv)
+        """Whether the next decode step can run as :meth:`decode_packed`: the compiled step, float32 or bfloat16."""
+        return self.length > 0 and qkv.dtype in (torch.float32, torch.bfloat16) and self._compiled_step(qkv)
 
     def decode_packed(
         self, qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, scale: float | None = None

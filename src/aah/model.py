@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from . import ring_decode
 from .attention import AAHAttention
@@ -135,12 +134,22 @@ class Block(nn.Module):
 
     def _compiled_step_ready(self, x: torch.Tensor, cache: LayerKVCache) -> bool:
         """Whether this decode step can run in one compiled call: see :meth:`_compiled_decode_step`."""
-        if not cache.packed_step(x) or _global_forward_hooks or _global_forward_pre_hooks:
+        if self.training or torch.is_grad_enabled() or not cache.packed_step(x):
             return False
         modules = self._step_modules()
-        if x.dtype != modules[3]._parameters["weight"].dtype:
+        _, n1, attn, qkv, out, n2, _, up, down = modules
+        if any(type(m) is not nn.Linear for m in (qkv, out, up, down)):
+            return False  # a subclass or wrapper (a parametrization, an adapter) may compute something else
+        if type(n1) not in (nn.LayerNorm, nn.RMSNorm) or type(n2) is not type(n1):
             return False
-        return not any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+        extras = tuple(m for m in (attn.rotary, attn.aah_state, self.dropout) if m is not None)
+        if ring_decode.hooks_or_autocast(*modules, *extras):
+            return False
+        return all(
+            t is None or (t.dtype == x.dtype and t.is_contiguous())
+            for m in (n1, qkv, out, n2, up, down)
+            for t in (m._parameters.get("weight"), m._parameters.get("bias"))
+        )
 
     def _step_modules(self) -> tuple[nn.Module, ...]:
         """The block, norm1, attn, attn.qkv, attn.out, norm2, mlp, mlp.up, mlp.down.
@@ -158,9 +167,11 @@ class Block(nn.Module):
         The same arithmetic as the module path in evaluation mode (where dropout
         is the identity): norm, QKV projection, rotary embedding, ring write,
         attention over each head's window, output projection, residual, norm,
-        MLP, residual. It runs where :meth:`LayerKVCache.packed_step` allows
-        (CPU, the cache's dtype, no gradient, the compiled step built) and no
-        forward hook is registered on the block's modules. The caller
+        MLP, residual. It runs in evaluation mode without gradients, where
+        :meth:`LayerKVCache.packed_step` allows (CPU, the cache's dtype, float32
+        or bfloat16, the compiled step built), for plain ``nn.Linear`` and
+        ``nn.LayerNorm`` / ``nn.RMSNorm`` modules whose tensors have that dtype,
+        with no forward hook on the block's modules and no autocast. The caller
         (:meth:`GPT.forward`) has checked that the cache holds this layer's
         windows.
         """

@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 import torch
 from torch.nn import functional as F
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 __all__ = ["ACTIVATIONS", "LINEAR_ROWS_MAX", "decode_step_label", "linear", "linear_rows", "load", "ring_decode", "ring_decode_packed", "decode_block", "Block", "Rings", "unavailable_reason"]
 
@@ -235,6 +236,13 @@ def _module():
     return module
 
 
+def hooks_or_autocast(*modules: torch.nn.Module) -> bool:
+    """Whether a forward hook (global or on one of ``modules``) or CPU autocast asks for the module path."""
+    if _global_forward_hooks or _global_forward_pre_hooks or torch.is_autocast_enabled("cpu"):
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
 #: Up to this many rows, :func:`linear` runs :func:`linear_rows` (on 2 CPU cores it beats the
 #: general matrix product up to 8 rows in float32 and 16 in bfloat16; ``aah bench decode``).
 LINEAR_ROWS_MAX = 8
@@ -244,19 +252,21 @@ def linear(layer: torch.nn.Linear, x: torch.Tensor, activation: str = "none") ->
     """``activation(layer(x))``; in inference on CPU, for at most :data:`LINEAR_ROWS_MAX` rows, in :func:`linear_rows`.
 
     That is a decode step's case: one row per sequence. Anything else (a
-    gradient to keep, many rows, another device or dtype, forward hooks on
-    the layer, no compiled step) is the layer's own forward.
+    gradient to keep, many rows, another device or dtype, a subclass of
+    ``nn.Linear``, forward hooks, autocast, no compiled step) is the layer's
+    own forward.
     """
     weight = layer.weight
     rows = x.numel() // weight.shape[1] if weight.shape[1] else 0
     if (
         0 < rows <= LINEAR_ROWS_MAX
+        and type(layer) is torch.nn.Linear  # a subclass or wrapper may compute something else
         and x.device.type == "cpu"
         and x.dtype == weight.dtype
         and x.dtype in (torch.float32, torch.bfloat16)
         and weight.is_contiguous()
-        and not (layer._forward_hooks or layer._forward_pre_hooks)
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and not hooks_or_autocast(layer)
         and load() is not None
     ):
         flat = x.reshape(rows, weight.shape[1])

@@ -72,6 +72,8 @@ at::Tensor ring_decode_packed(const at::Tensor& qkv, const at::Tensor& cos, cons
                               const at::Tensor& ring_start, const at::Tensor& capacity,
                               const at::Tensor& windows, int64_t length, double scale) {
   check_rings(keys, values, ring_start, capacity, windows, length);
+  TORCH_CHECK(keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kBFloat16,
+              "the packed step runs float32 or bfloat16 rings");
   const int64_t batch = keys.size(0), slots = keys.size(1), dim = keys.size(2);
   const int64_t heads = windows.numel(), kv_heads = ring_start.numel();
   TORCH_CHECK(qkv.device().is_cpu() && qkv.dim() == 2 && qkv.is_contiguous(), "qkv must be a contiguous 2-d CPU tensor");
@@ -93,7 +95,7 @@ at::Tensor ring_decode_packed(const at::Tensor& qkv, const at::Tensor& cos, cons
   const int64_t* cp = cap.data_ptr<int64_t>();
   at::Tensor q = at::empty({batch, heads, dim}, qkv.options());
   at::Tensor out = at::empty_like(q);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "ring_decode_packed", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, qkv.scalar_type(), "ring_decode_packed", [&] {
     const float* c = rotary ? cos_row.data_ptr<float>() : nullptr;
     const float* s = rotary ? sin_row.data_ptr<float>() : nullptr;
     const scalar_t* x = qkv.data_ptr<scalar_t>();
@@ -175,6 +177,8 @@ at::Tensor decode_block(const at::Tensor& x, const std::vector<c10::optional<at:
                         at::Tensor& unread, const at::Tensor& ring_start, const at::Tensor& capacity,
                         const at::Tensor& windows, int64_t length, double scale) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous 2-d CPU tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "the block step runs float32 or bfloat16");
   TORCH_CHECK(weights.size() == kWeights, "weights must hold the block's 12 tensors (None where absent)");
   TORCH_CHECK(norm == "layernorm" || norm == "rmsnorm", "norm must be layernorm or rmsnorm, got ", norm);
   TORCH_CHECK(activation == "gelu" || activation == "relu" || activation == "swiglu",
@@ -204,6 +208,8 @@ at::Tensor decode_block(const at::Tensor& x, const std::vector<c10::optional<at:
   TORCH_CHECK((present(weights, kQkvB) == nullptr || present(weights, kQkvB)->numel() == qkv_w.size(0)) &&
                   (present(weights, kUpB) == nullptr || present(weights, kUpB)->numel() == up_features),
               "the qkv and up biases must have one entry per output feature");
+  TORCH_CHECK(out_w.size(1) == windows.numel() * keys.size(2),
+              "the out weight must take the H * D attention outputs");  // before anything is written
   const bool rms = norm == "rmsnorm";
   at::Tensor y = x.clone();
   at::Tensor normed = at::empty_like(x);
@@ -211,7 +217,7 @@ at::Tensor decode_block(const at::Tensor& x, const std::vector<c10::optional<at:
   at::Tensor projected = at::empty_like(x);
   at::Tensor up = at::empty({batch, up_features}, x.options());
   at::Tensor gated = activation == "swiglu" ? at::empty({batch, hidden}, x.options()) : up;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "decode_block", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "decode_block", [&] {
     auto data = [&](int i) -> const scalar_t* {
       const at::Tensor* w = present(weights, i);
       return w == nullptr ? nullptr : w->data_ptr<scalar_t>();
@@ -223,7 +229,6 @@ at::Tensor decode_block(const at::Tensor& x, const std::vector<c10::optional<at:
     linear(np, batch, model, data(kQkvW), qkv_w.size(0), data(kQkvB), Activation::kNone, qkv.data_ptr<scalar_t>());
     at::Tensor heads = ring_decode_packed(qkv, cos, sin, keys, values, unread, ring_start, capacity, windows,
                                           length, scale);
-    TORCH_CHECK(heads.size(1) == out_w.size(1), "the out weight must take the H * D attention outputs");
     linear(heads.data_ptr<scalar_t>(), batch, out_w.size(1), data(kOutW), model, data(kOutB), Activation::kNone, pp);
     add_into(yp, pp, batch * model);
     norm_rows(yp, batch, model, data(kNorm2W), data(kNorm2B), rms, eps2, np);

@@ -154,6 +154,17 @@ inline void check_rings(const at::Tensor& keys, const at::Tensor& values, const 
                   windows.numel() % ring_start.numel() == 0,
               "one window per query head, one start and capacity per KV head");
   TORCH_CHECK(length >= 1, "length must be at least 1");
+  TORCH_CHECK(ring_start.device().is_cpu() && capacity.device().is_cpu() && windows.device().is_cpu(),
+              "ring_start, capacity, windows must be CPU tensors");
+  const at::Tensor start = ring_start.contiguous(), cap = capacity.contiguous(), win = windows.contiguous();
+  for (int64_t g = 0; g < start.numel(); ++g) {
+    const int64_t first = start.data_ptr<int64_t>()[g], size = cap.data_ptr<int64_t>()[g];
+    TORCH_CHECK(size >= 1 && first >= 0 && first + size <= keys.size(1),
+                "every ring must have a capacity >= 1 and lie within the S slots of keys and values");
+  }
+  for (int64_t h = 0; h < win.numel(); ++h) {
+    TORCH_CHECK(win.data_ptr<int64_t>()[h] >= 1, "every window must be >= 1");
+  }
 }
 
 template <typename scalar_t>
