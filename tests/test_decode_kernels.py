@@ -174,65 +174,67 @@ def _variant_model(variant: str, dtype: torch.dtype = torch.float32) -> GPT:
     return model.to(dtype).eval()
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
-def test_block_step_equals_the_module_path_and_the_full_forward(compiled, monkeypatch, variant):
-    model = _variant_model(variant)
-    idx = torch.randint(0, 50, (2, 30), generator=torch.Generator().manual_seed(1))
-    calls = []
+@pytest.fixture
+def block_calls(compiled, monkeypatch) -> list[int]:
+    """One entry per call of the compiled block step (aah.ring_decode.decode_block)."""
+    calls: list[int] = []
     block_step = compiled.decode_block
     monkeypatch.setattr(compiled, "decode_block", lambda *a: calls.append(1) or block_step(*a))
+    return calls
+
+
+def decode_both_ways(model: GPT, idx: torch.Tensor, prefix: int, monkeypatch) -> dict[str, torch.Tensor]:
+    """Logits of the decode steps after a ``prefix``-token prefill, with the kernel on ("1") and off ("0")."""
     logits = {}
     for kernel in ("1", "0"):
         monkeypatch.setenv("AAH_RING_KERNEL", kernel)
-        cache = model.new_cache(2)
+        cache = model.new_cache(idx.shape[0])
         with torch.no_grad():
-            parts = [model(idx[:, :7], cache=cache)[0]] + [model(idx[:, i : i + 1], cache=cache)[0] for i in range(7, 30)]
-        logits[kernel] = torch.cat(parts, dim=1)
-    assert len(calls) == 23 * 2  # every decode step of both blocks, with the kernel only
+            model(idx[:, :prefix], cache=cache)
+            steps = [model(idx[:, i : i + 1], cache=cache)[0] for i in range(prefix, idx.shape[1])]
+        logits[kernel] = torch.cat(steps, dim=1)
+    return logits
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_block_step_equals_the_module_path_and_the_full_forward(block_calls, monkeypatch, variant):
+    model = _variant_model(variant)
+    idx = torch.randint(0, 50, (2, 30), generator=torch.Generator().manual_seed(1))
+    logits = decode_both_ways(model, idx, 7, monkeypatch)
+    assert len(block_calls) == 23 * 2  # every decode step of both blocks, with the kernel only
     torch.testing.assert_close(logits["1"], logits["0"], rtol=1e-5, atol=5e-5)
     with torch.no_grad():
-        torch.testing.assert_close(logits["1"], model(idx)[0], rtol=1e-5, atol=5e-5)
+        torch.testing.assert_close(logits["1"], model(idx)[0][:, 7:], rtol=1e-5, atol=5e-5)
 
 
-def test_bfloat16_block_step_is_as_accurate_as_the_module_path(compiled, monkeypatch):
+def test_bfloat16_block_step_is_as_accurate_as_the_module_path(block_calls, monkeypatch):
     """Against the float32 model with the same (bf16-rounded) weights, both bf16 paths err alike."""
     model = _variant_model("rmsnorm_swiglu_rope_bias", torch.bfloat16)
     reference = _variant_model("rmsnorm_swiglu_rope_bias", torch.bfloat16).float()
     idx = torch.randint(0, 50, (1, 20), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         want = reference(idx)[0][:, 5:]
-    calls = []
-    block_step = compiled.decode_block
-    monkeypatch.setattr(compiled, "decode_block", lambda *a: calls.append(1) or block_step(*a))
-    errors = {}
-    for kernel in ("1", "0"):
-        monkeypatch.setenv("AAH_RING_KERNEL", kernel)
-        cache = model.new_cache(1)
-        with torch.no_grad():
-            model(idx[:, :5], cache=cache)
-            got = torch.cat([model(idx[:, i : i + 1], cache=cache)[0] for i in range(5, 20)], dim=1)
-        assert got.dtype == torch.bfloat16
-        errors[kernel] = (got.float() - want).abs().mean().item()
-    assert len(calls) == 15 * 2  # the bf16 steps ran the block kernel
+    logits = decode_both_ways(model, idx, 5, monkeypatch)
+    assert len(block_calls) == 15 * 2  # the bf16 steps ran the block kernel
+    assert logits["1"].dtype == torch.bfloat16
+    errors = {kernel: (got.float() - want).abs().mean().item() for kernel, got in logits.items()}
     assert errors["1"] < 1.5 * errors["0"], errors
 
 
-def test_a_forward_hook_keeps_the_module_path(compiled, monkeypatch):
+def test_a_forward_hook_keeps_the_module_path(block_calls):
     model = _variant_model("layernorm_gelu_rope")
-    calls, seen = [], []
-    block_step = compiled.decode_block
-    monkeypatch.setattr(compiled, "decode_block", lambda *a: calls.append(1) or block_step(*a))
+    seen = []
     model.blocks[1].mlp.register_forward_hook(lambda *_: seen.append(1))
     cache = model.new_cache(1)
     idx = torch.randint(0, 50, (1, 6), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         model(idx[:, :4], cache=cache)
         model(idx[:, 4:5], cache=cache)
-    assert len(calls) == 1  # block 0 in one call; block 1 runs its modules, so its hook sees the step
+    assert len(block_calls) == 1  # block 0 in one call; block 1 runs its modules, so its hook sees the step
     assert seen == [1, 1]
 
 
-def test_block_step_reads_long_windows_at_head_dim_32(compiled, monkeypatch):
+def test_block_step_reads_long_windows_at_head_dim_32(block_calls, monkeypatch):
     """Head dim 32 (the unrolled kernel) and windows past one span of 256 entries, against the module path."""
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=50, n_layers=2, d_model=64, n_heads=2, n_kv_heads=1, max_seq_len=640, backend="dense")
@@ -241,26 +243,15 @@ def test_block_step_reads_long_windows_at_head_dim_32(compiled, monkeypatch):
         ctrl.pin_windows(w)
     model.eval()
     idx = torch.randint(0, 50, (2, 580), generator=torch.Generator().manual_seed(4))
-    calls = []
-    block_step = compiled.decode_block
-    monkeypatch.setattr(compiled, "decode_block", lambda *a: calls.append(1) or block_step(*a))
-    logits = {}
-    for kernel in ("1", "0"):
-        monkeypatch.setenv("AAH_RING_KERNEL", kernel)
-        cache = model.new_cache(2)
-        with torch.no_grad():
-            model(idx[:, :560], cache=cache)
-            logits[kernel] = torch.cat([model(idx[:, i : i + 1], cache=cache)[0] for i in range(560, 580)], dim=1)
-    assert len(calls) == 20 * 2
+    logits = decode_both_ways(model, idx, 560, monkeypatch)
+    assert len(block_calls) == 20 * 2
     torch.testing.assert_close(logits["1"], logits["0"], rtol=1e-5, atol=5e-5)
     with torch.no_grad():
         torch.testing.assert_close(logits["1"], model(idx)[0][:, 560:], rtol=1e-5, atol=5e-5)
 
 
-def test_gradients_float64_and_training_keep_the_module_path(compiled, monkeypatch):
-    calls = []
-    block_step = compiled.decode_block
-    monkeypatch.setattr(compiled, "decode_block", lambda *a: calls.append(1) or block_step(*a))
+def test_gradients_and_float64_keep_the_module_path(block_calls):
+    calls = block_calls
     idx = torch.randint(0, 50, (1, 8), generator=torch.Generator().manual_seed(5))
     model = _variant_model("layernorm_gelu_rope")
     cache = model.new_cache(1)
