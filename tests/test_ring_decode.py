@@ -78,3 +78,18 @@ def test_turned_off_by_the_environment(monkeypatch):
     assert ring_decode.unavailable_reason() == "turned off by AAH_RING_KERNEL=0"
     with pytest.raises(RuntimeError, match="not available"):
         ring_decode.ring_decode(*(torch.zeros(1),) * 6, 1, 1.0)
+
+
+def test_the_build_folder_follows_the_sources_and_their_place(tmp_path, monkeypatch):
+    here = ring_decode._build_directory()
+    assert here == ring_decode._build_directory()  # stable
+    copy = tmp_path / "csrc"
+    copy.mkdir()
+    for source in ring_decode._CSRC.iterdir():
+        if source.suffix in (".cpp", ".h"):
+            (copy / source.name).write_bytes(source.read_bytes())
+    monkeypatch.setattr(ring_decode, "_CSRC", copy)
+    elsewhere = ring_decode._build_directory()
+    assert elsewhere != here  # the same sources in another place: their own build
+    (copy / "linear_rows.h").write_text((copy / "linear_rows.h").read_text() + "\n// changed\n")
+    assert ring_decode._build_directory() not in (here, elsewhere)  # a changed header: a new build

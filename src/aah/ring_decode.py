@@ -21,8 +21,8 @@ saves. ``csrc/`` holds the compiled replacements:
 The extension is built with ``torch.utils.cpp_extension`` (a C++ compiler and
 ninja) the first time a process needs it, into ``$TORCH_EXTENSIONS_DIR``
 (default ``~/.cache/torch_extensions``), in a folder named after the torch
-version, the CPU capability and a hash of the sources. It takes about a
-minute once per machine and source version; later processes load the built
+version, the CPU capability and a hash of the sources and their location. It takes about a
+minute once per machine, copy of the package and source version; later processes load the built
 library. Where it cannot be built, the PyTorch paths run, with the same
 results (tested against each other). ``AAH_RING_KERNEL=0`` turns it off.
 """
@@ -71,8 +71,14 @@ def _build_directory() -> Path:
 
 
 def _source_digest() -> str:
-    """A short hash of the sources: a changed kernel builds into a new folder, next to the old one."""
-    digest = hashlib.sha256()
+    """A short hash of the sources and of where they lie.
+
+    A changed kernel builds into a new folder, next to the old one. So does
+    another copy of the package (a second checkout, a virtual environment):
+    the build records its source paths, so two copies sharing one folder would
+    rebuild it in turn, each time the other one had run.
+    """
+    digest = hashlib.sha256(str(_CSRC.resolve()).encode())
     for source in sorted(_CSRC.iterdir()):
         if source.suffix in (".cpp", ".h"):
             digest.update(source.read_bytes())
