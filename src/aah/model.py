@@ -127,29 +127,41 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, *, cache: LayerKVCache | None = None) -> torch.Tensor:
-        if cache is not None and x.shape[1] == 1 and self._compiled_step_ready(x, cache):
-            return self._compiled_decode_step(x, cache)
+        if cache is not None and x.shape[1] == 1:
+            block = self._compiled_block(x, cache)
+            if block is not None:
+                return self._compiled_decode_step(x, cache, block)
         x = x + self.dropout(self.attn(self.norm1(x), cache=cache))
         return x + self.dropout(self.mlp(self.norm2(x)))
 
-    def _compiled_step_ready(self, x: torch.Tensor, cache: LayerKVCache) -> bool:
-        """Whether this decode step can run in one compiled call: see :meth:`_compiled_decode_step`."""
+    def _compiled_block(self, x: torch.Tensor, cache: LayerKVCache) -> ring_decode.Block | None:
+        """What the compiled decode step needs of this block, or ``None`` where the modules must run.
+
+        The step runs in evaluation mode without gradients, where
+        :meth:`LayerKVCache.packed_step` allows (CPU, the cache's dtype, float32
+        or bfloat16, the compiled step built), for plain ``nn.Linear`` and
+        ``nn.LayerNorm`` / ``nn.RMSNorm`` modules whose tensors have that dtype,
+        with no forward hook on the block's modules and no autocast.
+        """
         if self.training or torch.is_grad_enabled() or not cache.packed_step(x):
-            return False
+            return None
         modules = self._step_modules()
-        _, n1, attn, qkv, out, n2, _, up, down = modules
+        _, n1, attn, qkv, out, n2, mlp, up, down = modules
         if any(type(m) is not nn.Linear for m in (qkv, out, up, down)):
-            return False  # a subclass or wrapper (a parametrization, an adapter) may compute something else
+            return None  # a subclass or wrapper (a parametrization, an adapter) may compute something else
         if type(n1) not in (nn.LayerNorm, nn.RMSNorm) or type(n2) is not type(n1):
-            return False
+            return None
         extras = tuple(m for m in (attn.rotary, attn.aah_state, self.dropout) if m is not None)
         if ring_decode.hooks_or_autocast(*modules, *extras):
-            return False
-        return all(
-            t is None or (t.dtype == x.dtype and t.is_contiguous())
-            for m in (n1, qkv, out, n2, up, down)
-            for t in (m._parameters.get("weight"), m._parameters.get("bias"))
-        )
+            return None
+        weights = [m._parameters.get(name) for m in (n1, qkv, out, n2, up, down) for name in ("weight", "bias")]
+        if not all(t is None or (t.dtype == x.dtype and t.is_contiguous()) for t in weights):
+            return None
+        norm = "layernorm" if type(n1) is nn.LayerNorm else "rmsnorm"
+        # RMSNorm's default eps is that of the dtype it computes in (float32 for bfloat16 input).
+        default_eps = torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps
+        eps = (default_eps if n1.eps is None else n1.eps, default_eps if n2.eps is None else n2.eps)
+        return ring_decode.Block(weights, norm, eps, mlp.activation)
 
     def _step_modules(self) -> tuple[nn.Module, ...]:
         """The block, norm1, attn, attn.qkv, attn.out, norm2, mlp, mlp.up, mlp.down.
@@ -161,33 +173,21 @@ class Block(nn.Module):
         return (self, mods["norm1"], attn, attn._modules["qkv"], attn._modules["out"], mods["norm2"], mlp,
                 mlp._modules["up"], mlp._modules["down"])
 
-    def _compiled_decode_step(self, x: torch.Tensor, cache: LayerKVCache) -> torch.Tensor:
+    def _compiled_decode_step(self, x: torch.Tensor, cache: LayerKVCache, block: ring_decode.Block) -> torch.Tensor:
         """One decode step of the whole block in one call of :func:`aah.ring_decode.decode_block`.
 
-        The same arithmetic as the module path in evaluation mode (where dropout
-        is the identity): norm, QKV projection, rotary embedding, ring write,
-        attention over each head's window, output projection, residual, norm,
-        MLP, residual. It runs in evaluation mode without gradients, where
-        :meth:`LayerKVCache.packed_step` allows (CPU, the cache's dtype, float32
-        or bfloat16, the compiled step built), for plain ``nn.Linear`` and
-        ``nn.LayerNorm`` / ``nn.RMSNorm`` modules whose tensors have that dtype,
-        with no forward hook on the block's modules and no autocast. The caller
-        (:meth:`GPT.forward`) has checked that the cache holds this layer's
-        windows.
+        The operations of the module path in evaluation mode (where dropout is
+        the identity), in its order: norm, QKV projection, rotary embedding,
+        ring write, attention over each head's window, output projection,
+        residual, norm, MLP, residual (in bfloat16 it rounds once where the
+        modules round after each operation). ``block`` comes from
+        :meth:`_compiled_block`. The caller (:meth:`GPT.forward`) has checked
+        that the cache holds this layer's windows.
         """
-        _, n1, attn, qkv, out, n2, mlp, up, down = self._step_modules()
-        weights = [
-            module._parameters.get(name)
-            for module in (n1, qkv, out, n2, up, down)
-            for name in ("weight", "bias")
-        ]
-        norm = "layernorm" if isinstance(n1, nn.LayerNorm) else "rmsnorm"
-        # RMSNorm's default eps is that of the dtype it computes in (float32 for bfloat16 input).
-        default_eps = torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps
-        eps = (default_eps if n1.eps is None else n1.eps, default_eps if n2.eps is None else n2.eps)
+        attn = self._modules["attn"]
         cos, sin = (None, None) if attn.rotary is None else attn.rotary.tables()
         b = x.shape[0]
-        y = cache.decode_block(x.view(b, -1), ring_decode.Block(weights, norm, eps, mlp.activation), cos, sin)
+        y = cache.decode_block(x.view(b, -1), block, cos, sin)
         if attn.last_windows != cache.windows:  # nn.Module.__setattr__ costs a few microseconds a step
             attn.last_windows = cache.windows
         return y.view(b, 1, -1)

@@ -262,8 +262,11 @@ def linear(layer: torch.nn.Linear, x: torch.Tensor, activation: str = "none") ->
     ``nn.Linear``, forward hooks, autocast, no compiled step) is the layer's
     own forward.
     """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}; got {activation!r}")
     weight = layer.weight
     rows = x.numel() // weight.shape[1] if weight.shape[1] else 0
+    module = None
     if (
         0 < rows <= LINEAR_ROWS_MAX
         and type(layer) is torch.nn.Linear  # a subclass or wrapper may compute something else
@@ -273,16 +276,14 @@ def linear(layer: torch.nn.Linear, x: torch.Tensor, activation: str = "none") ->
         and weight.is_contiguous()
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         and not hooks_or_autocast(layer)
-        and load() is not None
     ):
-        flat = x.reshape(rows, weight.shape[1])
-        y = _module().linear_rows(flat if flat.is_contiguous() else flat.contiguous(), weight, layer.bias, activation)
+        module = load()
+    if module is not None:
+        y = module.linear_rows(x.reshape(rows, weight.shape[1]).contiguous(), weight, layer.bias, activation)
         return y.view(*x.shape[:-1], weight.shape[0])
     y = layer(x)
     if activation == "gelu":
         return F.gelu(y)
     if activation == "relu":
         return F.relu(y)
-    if activation != "none":
-        raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}; got {activation!r}")
     return y

@@ -27,9 +27,7 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10:
   }
   TORCH_CHECK(activation == "none" || activation == "gelu" || activation == "relu",
               "activation must be none, gelu or relu, got ", activation);
-  const Activation act = activation == "gelu"   ? Activation::kGelu
-                         : activation == "relu" ? Activation::kRelu
-                                                : Activation::kNone;
+  const Activation act = activation_named(activation);
   at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "linear_rows", [&] {
     linear<scalar_t>(x.data_ptr<scalar_t>(), x.size(0), x.size(1), weight.data_ptr<scalar_t>(), weight.size(0),
@@ -232,9 +230,7 @@ at::Tensor decode_block(const at::Tensor& x, const std::vector<c10::optional<at:
     linear(heads.data_ptr<scalar_t>(), batch, out_w.size(1), data(kOutW), model, data(kOutB), Activation::kNone, pp);
     add_into(yp, pp, batch * model);
     norm_rows(yp, batch, model, data(kNorm2W), data(kNorm2B), rms, eps2, np);
-    const Activation act = activation == "gelu" ? Activation::kGelu
-                           : activation == "relu" ? Activation::kRelu
-                                                  : Activation::kNone;
+    const Activation act = activation_named(activation);  // none for swiglu: gated below
     scalar_t* upp = up.data_ptr<scalar_t>();
     linear(np, batch, model, data(kUpW), up_features, data(kUpB), act, upp);
     if (activation == "swiglu") {

@@ -71,6 +71,11 @@ inline float dot<c10::BFloat16>(const c10::BFloat16* a, const c10::BFloat16* b, 
 
 enum class Activation { kNone, kGelu, kRelu };
 
+// The activation named "gelu" or "relu"; any other name is none.
+inline Activation activation_named(const std::string& name) {
+  return name == "gelu" ? Activation::kGelu : name == "relu" ? Activation::kRelu : Activation::kNone;
+}
+
 // The activation applied to each output: exact GELU (erf form, as torch.nn.functional.gelu) or ReLU.
 template <typename acc_t>
 acc_t activate(acc_t y, Activation activation) {
