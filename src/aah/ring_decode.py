@@ -21,17 +21,33 @@ saves. ``csrc/`` holds the compiled replacements:
 The extension is built with ``torch.utils.cpp_extension`` (a C++ compiler and
 ninja) the first time a process needs it, into ``$TORCH_EXTENSIONS_DIR``
 (default ``~/.cache/torch_extensions``), in a folder named after the torch
-version, the CPU capability and a hash of the sources and their location. It takes about a
-minute once per machine, copy of the package and source version; later processes load the built
-library. Where it cannot be built, the PyTorch paths run, with the same
-results (tested against each other). ``AAH_RING_KERNEL=0`` turns it off.
+version, the CPU capability and a hash of the sources and their location. It
+takes about a minute once per machine, copy of the package and source version;
+later processes load the built library from that folder directly. A build runs
+in a private temporary folder beside it, which is renamed into place when done,
+under a lock the operating system drops when the process dies: a build killed
+midway leaves only a temporary folder, removed by the next build. A build that
+fails is remembered there too (a ``FAILED`` marker, the whole compiler output in
+``build.log``, named by the one warning and by :func:`unavailable_reason`), so
+later processes do not try again; set ``AAH_RING_KERNEL_RETRY=1`` or delete the
+folder to build again. Without a C++ compiler (``$CXX``, else ``c++`` or ``g++``)
+or ninja, nothing is built. In all these cases the PyTorch paths run, with the
+same results (tested against each other). ``AAH_RING_KERNEL=0`` turns it off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib.util
 import os
+import re
+import shlex
+import shutil
 import sys
+import sysconfig
+import tempfile
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -39,12 +55,30 @@ import torch
 from torch.nn import functional as F
 from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
+try:
+    import fcntl  # the build lock; without it (Windows) builds are not serialised
+except ImportError:  # pragma: no cover
+    fcntl = None
+
 __all__ = ["ACTIVATIONS", "LINEAR_ROWS_MAX", "decode_step_label", "linear", "linear_rows", "load", "ring_decode", "ring_decode_packed", "decode_block", "Block", "Rings", "unavailable_reason"]
 
 _NAME = "aah_ring_decode"
 _CSRC = Path(__file__).with_name("csrc")
-_SOURCES = [_CSRC / "decode_step.cpp"]  # it includes the headers beside it
+_MAIN_SOURCE = "decode_step.cpp"  # it includes the headers beside it
+_LIBRARY_SUFFIX = ".pyd" if os.name == "nt" else ".so"
+_FAILED = "FAILED"  # in a build folder: the build failed (holds its first error line)
+_LOG = "build.log"  # beside it: the failed build's whole output
+_SCRATCH = ".tmp"  # suffix of the private folder a build runs in
+_RETRY = "AAH_RING_KERNEL_RETRY"  # =1: build again although a build of these sources failed
 _state: dict[str, object] = {}  # "module" or "error", once tried
+
+
+class _Unavailable(Exception):
+    """Why the compiled step cannot be had, as :func:`unavailable_reason` says it."""
+
+
+class _BuildFailed(_Unavailable):
+    """The build of these sources failed (now or in an earlier process): worth a warning."""
 
 
 def _capability() -> str:
@@ -91,20 +125,191 @@ def load():
         return None
     if not _state:
         try:
-            from torch.utils.cpp_extension import load as load_extension
-
-            build = _build_directory()
-            build.mkdir(parents=True, exist_ok=True)
-            if not (build / f"{_NAME}.so").exists():
-                print("aah: building the compiled decode step (once per machine and torch "
-                      f"version, about a minute) in {build}", file=sys.stderr, flush=True)
-            _state["module"] = load_extension(
-                name=_NAME, sources=[str(s) for s in _SOURCES], build_directory=str(build),
-                extra_cflags=_flags(), extra_ldflags=["-fopenmp"], verbose=False,
-            )
-        except Exception as exc:  # no compiler, no ninja, a read-only home: keep the PyTorch path
+            _state["module"] = _load_or_build(_build_directory())
+        except _Unavailable as exc:  # no compiler or ninja, a failed build
+            _state["error"] = str(exc)
+            if isinstance(exc, _BuildFailed):
+                warnings.warn(f"aah: the compiled decode step is not used: {exc}", RuntimeWarning, stacklevel=2)
+        except Exception as exc:  # a read-only home, say: keep the PyTorch path
             _state["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
     return _state.get("module")
+
+
+def _load_or_build(folder: Path):
+    """The module built in ``folder``; built there first when that folder holds no build yet."""
+    module = _finished(folder)
+    if module is not None:
+        return module
+    environment = _toolchain()
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with _build_lock(folder):
+        module = _finished(folder)  # built by the process this one waited for
+        if module is not None:
+            return module
+        _remove_leftovers(folder)
+        with _environment(environment):
+            return _build(folder)
+
+
+def _finished(folder: Path):
+    """The module of the build in ``folder``, ``None`` when there is none; raises for a failed one."""
+    if (folder / _FAILED).exists():
+        if os.environ.get(_RETRY, "0") != "1":
+            raise _failure(folder)
+        return None
+    libraries = sorted(folder.glob(f"{_NAME}*{_LIBRARY_SUFFIX}"))
+    if not libraries:
+        return None
+    spec = importlib.util.spec_from_file_location(libraries[0].stem, libraries[0])
+    try:
+        module = importlib.util.module_from_spec(spec)  # opens the library
+        spec.loader.exec_module(module)
+    except ImportError as exc:
+        raise _Unavailable(f"{libraries[0]} does not load ({exc}); delete {folder} to build again") from None
+    return module
+
+
+def _failure(folder: Path) -> _BuildFailed:
+    """Why the build in ``folder`` failed: its first error line and where its whole output is."""
+    try:
+        first = (folder / _FAILED).read_text().strip()
+    except OSError:  # removed meanwhile by a build retried
+        first = "unknown error"
+    return _BuildFailed(
+        f"the build failed ({first}); the whole compiler output is in {folder / _LOG}; "
+        f"set {_RETRY}=1 or delete {folder} to build again"
+    )
+
+
+def _scripts_directory() -> str | None:
+    """Where this Python's installed commands are (the ``ninja`` pip package puts its own there)."""
+    return sysconfig.get_path("scripts")
+
+
+def _toolchain() -> dict[str, str]:
+    """The environment changes the build needs; raises :class:`_Unavailable` without a compiler or ninja.
+
+    ``torch.utils.cpp_extension`` compiles with ``$CXX``, else ``c++``, and runs
+    ``ninja`` from the ``PATH``: where only ``g++`` exists it is named in
+    ``CXX``, and the ninja of this Python's environment (not activated) is put
+    on the ``PATH``.
+    """
+    changes = {}
+    named = os.environ.get("CXX", "").strip()
+    if named:
+        if shutil.which(shlex.split(named)[0]) is None:
+            raise _Unavailable(f"no C++ compiler: CXX={named} is not found")
+    elif shutil.which("c++") is None:
+        if shutil.which("g++") is None:
+            raise _Unavailable("no C++ compiler (neither c++ nor g++ is on the PATH, and CXX is not set)")
+        changes["CXX"] = "g++"
+    if shutil.which("ninja") is None:
+        scripts = _scripts_directory()
+        if not scripts or shutil.which("ninja", path=scripts) is None:
+            raise _Unavailable("no ninja, which builds the extension (pip install ninja)")
+        changes["PATH"] = scripts + os.pathsep + os.environ.get("PATH", "")
+    return changes
+
+
+@contextlib.contextmanager
+def _environment(changes: dict[str, str]):
+    """``os.environ`` with ``changes`` for the duration (what the build's subprocesses see)."""
+    saved = {name: os.environ.get(name) for name in changes}
+    os.environ.update(changes)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextlib.contextmanager
+def _build_lock(folder: Path):
+    """One build of ``folder`` at a time: a lock on the file ``<folder>.lock``.
+
+    The operating system drops the lock when its process ends, however it ends,
+    so a killed build never leaves a lock for others to wait on. The file holds
+    the builder's process id, which a waiting process names.
+    """
+    if fcntl is None:  # pragma: no cover
+        yield
+        return
+    path = folder.with_name(folder.name + ".lock")
+    handle = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(handle, 32, 0).decode(errors="replace").strip() or "?"
+            print(f"aah: waiting for process {holder}, which builds the compiled decode step (lock: {path})",
+                  file=sys.stderr, flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        os.ftruncate(handle, 0)
+        os.pwrite(handle, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(handle)  # releases the lock
+
+
+def _remove_leftovers(folder: Path) -> None:
+    """Under the build lock: private folders of builds killed midway, and ``folder`` unless it holds a build.
+
+    ``folder`` without a library is a failed build being retried, or one that an
+    older version of this module was killed in the middle of.
+    """
+    if fcntl is not None:  # no other build runs now
+        for leftover in folder.parent.glob(f".{folder.name}.*{_SCRATCH}"):
+            shutil.rmtree(leftover, ignore_errors=True)
+    if folder.exists():
+        shutil.rmtree(folder)
+
+
+def _build(folder: Path):
+    """Build in a private folder beside ``folder`` and rename it to ``folder``, failed or not."""
+    scratch = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", suffix=_SCRATCH, dir=folder.parent))
+    scratch.chmod(0o755)  # as a folder made the usual way: others may load the build
+    print("aah: building the compiled decode step (once per machine and torch "
+          f"version, about a minute) in {folder}", file=sys.stderr, flush=True)
+    try:
+        module = _compile(scratch)
+    except Exception as exc:  # remembered: later processes do not try again
+        output = f"{type(exc).__name__}: {exc}\n"
+        (scratch / _LOG).write_text(output)
+        (scratch / _FAILED).write_text(_first_error(output) + "\n")
+        _move(scratch, folder)
+        raise _failure(folder) from None
+    _move(scratch, folder)
+    if getattr(module, "__file__", None):
+        module.__file__ = str(folder / Path(module.__file__).name)
+    return module
+
+
+def _compile(build: Path):
+    """Build the extension in ``build`` with ``torch.utils.cpp_extension`` and import it."""
+    from torch.utils.cpp_extension import load as load_extension
+
+    return load_extension(
+        name=_NAME, sources=[str(_CSRC / _MAIN_SOURCE)], build_directory=str(build),
+        extra_cflags=_flags(), extra_ldflags=["-fopenmp"], verbose=False,
+    )
+
+
+def _first_error(output: str) -> str:
+    """The first line of a build's output that reports an error (else its first line), shortened."""
+    lines = output.splitlines() or [""]
+    found = next((line for line in lines if re.search(r"\berror\b:", line, re.IGNORECASE)), lines[0])
+    return found.strip()[:200]
+
+
+def _move(scratch: Path, folder: Path) -> None:
+    """Rename ``scratch`` to ``folder``, at once: others see a whole build or none."""
+    try:
+        os.rename(scratch, folder)
+    except OSError:  # pragma: no cover - another process finished first (no lock between them)
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def unavailable_reason() -> str | None:

@@ -6,7 +6,9 @@ window (plus ``S`` always-visible sink tokens) through transformers' ``Attention
 and sinks; a patched model's ``generate`` uses one unless it is given another cache.
 ``calibrate(model, batches, policy=...)`` chooses the windows on real text (``aah_v3``,
 ``uniform`` or ``budgeted``, the last by lost mass or by the estimated KL each window adds);
-``save_windows`` / ``load_windows`` keep them in a safetensors file with their metadata.
+``save_windows`` / ``load_windows`` keep them in a safetensors file with their metadata
+(``check_windows_for`` checks a file against a model; ``patch(model, "w.safetensors")`` takes
+the file's windows and sink tokens).
 ``convert_gguf`` turns a GGUF checkpoint into a safetensors folder once, so that later loads
 are fast and fully offline.
 
@@ -34,6 +36,8 @@ _EXPORTS = {
     "measure_window_kl": "loss_estimate",
     "save_windows": "windows_file",
     "load_windows": "windows_file",
+    "check_windows_for": "windows_file",
+    "MAX_WINDOW": "windows_file",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -9,22 +9,26 @@ How a call is executed:
 
 * an unpadded prompt without a cache (the prefill) runs through :func:`aah.attend`, sinks
   included, so the chosen backend skips the work outside each window and its sinks;
-* padded batches and queries that follow cached keys run fused SDPA with an exact boolean
-  mask: correct, but they do not skip work.
+* everything else (padded batches, packed sequences, custom 4-D masks, queries that follow
+  cached keys, a ``StaticCache``) runs fused SDPA with an exact boolean mask built by
+  :func:`allowed_keys`: correct, but it does not skip work.
 
-A head never sees more than its layer allows: in a layer with its own sliding window (Mistral,
-Qwen3's sliding layers) a head's window is ``min(W_h, sliding_window)`` and that layer keeps
-no sinks. The mask function hands the attention function only causality and padding; the
-windows themselves are applied here, so no overlay of the model's own mask is needed.
-Packed sequences (several documents in one row) are not supported.
+The visibility rule, in absolute positions of the keys a query may see at all (causality,
+padding, its own document): a head with window ``W`` keeps the keys ``j`` with
+``i - W < j <= i`` and the first ``S`` keys the query may see (its row's or its document's
+sink tokens). A head never sees more than its layer allows: in a layer with its own sliding
+window (Mistral, Qwen3's sliding layers) a head's window is ``min(W_h, sliding_window)`` and
+that layer keeps no sinks. The mask function hands the attention function only causality and
+padding; the windows, and the documents of packed rows (``position_ids`` restarting inside a
+row, read from the attention call's ``position_ids``), are applied here.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -32,10 +36,11 @@ import torch.nn.functional as F
 from ..backends import attend, backend_takes_sinks
 from ..windows import acr, as_window_tensor, causal_pairs, check_sink_tokens
 from ._transformers import require
-from .windowed_kv import WindowedKV
+from .windowed_kv import pending_of
 
 __all__ = [
-    "AAH_IMPLEMENTATION", "LayerWindows", "attention_modules", "layer_specs", "patch", "patched_windows", "recording",
+    "AAH_IMPLEMENTATION", "DEFAULT_SINK_TOKENS", "LayerWindows", "allowed_keys", "attention_modules", "layer_specs", "patch",
+    "patched_windows", "recording", "register", "visible_keys",
     "unpatch",
 ]
 
@@ -117,20 +122,37 @@ def _num_query_heads(model: torch.nn.Module) -> int:
     return heads
 
 
+#: The sink tokens ``patch`` keeps when neither the call nor a windows file names them.
+DEFAULT_SINK_TOKENS = 4
+
+
 def patch(
     model: torch.nn.Module,
-    windows: torch.Tensor | Sequence[Sequence[int]],
+    windows: torch.Tensor | Sequence[Sequence[int]] | str | os.PathLike,
     *,
-    sink_tokens: int = 4,
+    sink_tokens: int | None = None,
     backend: str = "auto",
 ) -> torch.nn.Module:
     """Give every query head of ``model`` its own causal window; returns ``model`` itself.
 
-    ``windows`` is an int tensor of shape (num_layers, num_query_heads). A wrong shape
-    raises ``ValueError``. Patching a patched model replaces its windows.
+    ``windows`` is an int tensor of shape (num_layers, num_query_heads), or the path of a
+    windows file (:func:`aah.hf.save_windows`), which is checked against ``model`` and whose
+    ``sink_tokens`` are used unless ``sink_tokens`` is given (else
+    :data:`DEFAULT_SINK_TOKENS`). A wrong shape raises ``ValueError``. Patching a patched
+    model replaces its windows.
     """
     require()
     modules = attention_modules(model)
+    if isinstance(windows, (str, os.PathLike)):
+        from .windows_file import check_windows_for, load_windows
+
+        path = windows
+        windows, meta = load_windows(path)
+        check_windows_for(model, windows, meta, str(path))
+        if sink_tokens is None:
+            sink_tokens = int(meta["sink_tokens"])
+    if sink_tokens is None:
+        sink_tokens = DEFAULT_SINK_TOKENS
     grid = as_window_tensor(windows)
     expected = (len(modules), _num_query_heads(model))
     if tuple(grid.shape) != expected:
@@ -139,28 +161,16 @@ def patch(
             f"{type(model).__name__}, got {tuple(grid.shape)}"
         )
     specs = layer_windows_for(model, grid, check_sink_tokens(sink_tokens), backend)
-    _register()
+    register()
     for module, spec in zip(modules, specs):
         setattr(module, _SPEC_ATTR, spec)
     if not hasattr(model, _PREVIOUS_ATTR):
         setattr(model, _PREVIOUS_ATTR, model.config._attn_implementation)
-        _default_generate_cache(model)
+    from .generation import adopt
+
+    adopt(model)
     model.set_attn_implementation(AAH_IMPLEMENTATION)
     return model
-
-
-def _default_generate_cache(model: torch.nn.Module) -> None:
-    """Make ``model.generate`` use an :mod:`aah.hf.cache` window cache unless one is passed."""
-    original = model._prepare_cache_for_generation
-
-    def prepare(generation_config, model_kwargs, *args, **kwargs):
-        if model_kwargs.get("past_key_values") is None and generation_config.use_cache is not False:
-            from .cache import new_cache
-
-            model_kwargs["past_key_values"] = new_cache(model)
-        return original(generation_config, model_kwargs, *args, **kwargs)
-
-    model._prepare_cache_for_generation = prepare
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
@@ -173,8 +183,9 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
             delattr(module, _SPEC_ATTR)
     model.set_attn_implementation(previous)
     delattr(model, _PREVIOUS_ATTR)
-    if "_prepare_cache_for_generation" in vars(model):
-        del model._prepare_cache_for_generation
+    from .generation import release
+
+    release(model)
     return model
 
 
@@ -218,7 +229,8 @@ def executed_coverage(model: torch.nn.Module, seq_len: int, specs: Sequence[Laye
 _REGISTERED = False
 
 
-def _register() -> None:
+def register() -> None:
+    """Register the ``"aah"`` attention and mask functions with transformers (once per process)."""
     global _REGISTERED
     if _REGISTERED:
         return
@@ -232,8 +244,9 @@ def _register() -> None:
 def _causal_padding_mask(*args, **kwargs):
     """transformers' SDPA mask with causality and padding only (``None`` when nothing is padded).
 
-    The model's own sliding-window overlay is dropped: :func:`aah_attention` applies each
-    head's window, capped by the layer's sliding window, itself.
+    The model's own sliding-window overlay and its packed-sequence overlay are dropped:
+    :func:`aah_attention` applies each head's window, capped by the layer's sliding window, and
+    the documents of a packed row (from ``position_ids``) itself.
     """
     masking_utils = require("transformers.masking_utils")
     kwargs["mask_function"] = masking_utils.causal_mask_function
@@ -244,8 +257,8 @@ def _causal_padding_mask(*args, **kwargs):
 def aah_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
-    key: torch.Tensor | WindowedKV,
-    value: torch.Tensor | WindowedKV,
+    key: torch.Tensor,
+    value: torch.Tensor,
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
@@ -254,7 +267,8 @@ def aah_attention(
     """The attention function registered as ``"aah"``; returns ``(out (B, Tq, H, D), None)``.
 
     ``sliding_window`` and other keywords of the model are accepted and ignored: the layer's
-    own sliding window was folded into its windows by :func:`patch`.
+    own sliding window was folded into its windows by :func:`patch`. ``position_ids`` are read
+    to find the documents of packed rows.
     """
     spec: LayerWindows | None = getattr(module, _SPEC_ATTR, None)
     if spec is None:
@@ -262,17 +276,53 @@ def aah_attention(
             f"attention layer {getattr(module, 'layer_idx', '?')} runs the 'aah' implementation "
             "but has no windows; call aah.hf.patch(model, windows)"
         )
+    pending = pending_of(key)
+    documents = packed_documents(kwargs.get("position_ids"), query.shape[2], key.shape[2], attention_mask)
+    if pending is not None:  # a call that reads and writes an aah.hf window cache
+        if documents is not None:
+            raise NotImplementedError(
+                "packed sequences (position_ids restarting inside a row) are supported in a forward "
+                "without a cache; run them with use_cache=False"
+            )
+        out = pending.layer.attend(query, pending, attention_mask, scaling, spec)
+        return out.transpose(1, 2).contiguous(), None
     recorder = getattr(module, RECORDER_ATTR, None)
-    if recorder is not None and not isinstance(key, WindowedKV):
+    if recorder is not None:
         recorder(query, key, value)
-    if isinstance(key, WindowedKV):  # a call that reads and writes an aah.hf window cache
-        out = key.layer.attend(query, key, attention_mask, scaling, spec)
-    else:
-        out = attend_without_cache(query, key, value, attention_mask, scaling, spec, dropout=dropout)
-        output_recorder = getattr(module, OUTPUT_RECORDER_ATTR, None)
-        if output_recorder is not None:
-            output_recorder(out)
+    if documents is not None and key.shape[2] != query.shape[2]:
+        raise NotImplementedError(
+            "packed sequences (position_ids restarting inside a row) are supported in a forward "
+            "without a cache; run them with use_cache=False"
+        )
+    out = attend_without_cache(query, key, value, attention_mask, scaling, spec, dropout=dropout, documents=documents)
+    output_recorder = getattr(module, OUTPUT_RECORDER_ATTR, None)
+    if output_recorder is not None:
+        output_recorder(out)
     return out.transpose(1, 2).contiguous(), None
+
+
+def packed_documents(
+    position_ids: torch.Tensor | None, q_len: int, kv_len: int, attention_mask: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """(B, T) document index of each token of a packed row, or ``None`` when no row is packed.
+
+    A row is packed when its ``position_ids`` restart between two real tokens (a token's
+    position is not its predecessor's plus one), as transformers detects packing; the restarts
+    that left padding makes next to padding positions do not count. Only a call whose queries
+    are all its keys (a prompt) can be packed.
+    """
+    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[1] != q_len or q_len < 2:
+        return None
+    restarts = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    if attention_mask is not None:
+        if q_len != kv_len or attention_mask.dim() != 4 or attention_mask.shape[-1] != kv_len:
+            return None
+        real = visible_keys(q_len, kv_len, attention_mask, position_ids.device)[:, 0, -1]  # (B, T)
+        restarts = restarts & real[:, 1:] & real[:, :-1]
+    if not bool(restarts.any()):
+        return None
+    starts = torch.cat([torch.zeros_like(restarts[:, :1]), restarts], dim=1)
+    return starts.cumsum(dim=1)
 
 
 def attend_without_cache(
@@ -284,75 +334,96 @@ def attend_without_cache(
     spec: LayerWindows,
     *,
     dropout: float = 0.0,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """(B, H, Tq, D) attention over plain keys that end at the last query.
+    """(B, H, Tq, D) attention over plain keys (a prompt, a ``DynamicCache`` or ``StaticCache``).
 
-    Unpadded prompts run through :func:`aah.attend`, sinks included (work outside the windows
-    and sinks is skipped), unless the backend cannot take the sinks; everything else runs fused
-    SDPA with the exact boolean mask.
+    Unpadded, unpacked prompts run through :func:`aah.attend`, sinks included (work outside the
+    windows and sinks is skipped), unless the backend cannot take the sinks; everything else
+    runs fused SDPA with the exact boolean mask of :func:`allowed_keys`.
     """
     q_len, kv_len = query.shape[2], key.shape[2]
-    if attention_mask is None and q_len == kv_len and not dropout:
+    if attention_mask is None and 1 < q_len < kv_len:
+        # No mask means SDPA's is_causal (transformers skips the mask only then): aligned top-left,
+        # so these queries sit at positions 0..q_len-1 (a StaticCache's prefill) and see no later key.
+        key, value, kv_len = key[:, :, :q_len], value[:, :, :q_len], q_len
+    if attention_mask is None and documents is None and q_len == kv_len and not dropout:
         sinks = check_sink_tokens(spec.sink_tokens)
         if not sinks:
             return attend(query, key, value, spec.windows, backend=spec.backend, scale=scaling)
         if backend_takes_sinks(spec.backend, spec.windows, q_len, sinks):
             return attend(query, key, value, spec.windows, backend=spec.backend, scale=scaling, sink_tokens=sinks)
-    allowed = allowed_keys(spec.windows, spec.sink_tokens, q_len, kv_len, attention_mask, query.device)
+    visible = visible_keys(q_len, kv_len, attention_mask, query.device, documents)
+    allowed = allowed_keys(spec.windows, spec.sink_tokens, visible)
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=allowed, dropout_p=dropout, scale=scaling,
         enable_gqa=key.shape[1] != query.shape[1],
     )
 
 
-@lru_cache(maxsize=32)
-def _band(windows: tuple[int, ...], sinks: int, q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
-    """(H, Tq, Tk) window band for queries at the last ``q_len`` of ``kv_len`` positions."""
-    qpos = torch.arange(kv_len - q_len, kv_len, device=device)
-    kpos = torch.arange(kv_len, device=device)
-    dist = qpos[:, None] - kpos[None, :]
-    w = torch.tensor(windows, device=device)[:, None, None]
-    causal = dist >= 0
-    return causal[None] & ((dist[None] < w) | (kpos < sinks)[None, None, :])
-
-
-def first_real_position(attention_mask: torch.Tensor) -> torch.Tensor:
-    """(B,) index of each row's first real token: the first visible key in the last query row
-    of a (B, 1, Tq, Tk) causal-and-padding mask (boolean, or additive with 0 where visible)."""
-    visible = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
-    return visible[:, 0, -1, :].to(torch.int8).argmax(dim=-1)
-
-
-def allowed_keys(
-    windows: tuple[int, ...],
-    sinks: int,
+def visible_keys(
     q_len: int,
     kv_len: int,
     attention_mask: torch.Tensor | None,
     device: torch.device,
+    documents: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Boolean (H, Tq, Tk) or (B, H, Tq, Tk) mask of the keys each query may attend.
+    """Boolean (B or 1, 1, Tq, Tk): the keys each query may see at all, before any window.
 
-    With a padding mask (transformers' causal-and-padding mask, shape (B, 1, Tq, Tk)) the sinks
-    of each row are its first ``sinks`` real tokens, and a query with no visible key (a
-    padding position) is given its own position so that softmax stays finite.
+    That is the given causal-and-padding mask (boolean, or additive with 0 where visible:
+    transformers' own, a ``StaticCache``'s, or a custom 4-D mask), or, without one, causality
+    for queries at the last ``q_len`` of ``kv_len`` positions (one query sees every key, as
+    transformers means a missing mask; longer query blocks are given only their own keys by
+    :func:`attend_without_cache`); and, for packed rows
+    (``documents``, (B, Tk) with the queries the keys), only the query's own document.
     """
     if attention_mask is None:
-        return _band(windows, sinks, q_len, kv_len, torch.device(device))
-    visible = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
-    visible = visible.to(device)
-    window_band = _band(windows, 0, q_len, kv_len, torch.device(device))[None]  # (1, H, Tq, Tk)
-    allowed = visible & window_band
-    if sinks:
-        first = first_real_position(visible)
-        kpos = torch.arange(kv_len, device=device)
-        sink = (kpos[None] >= first[:, None]) & (kpos[None] < first[:, None] + sinks)
-        allowed = allowed | (visible & sink[:, None, None, :])
-    empty = ~allowed.any(dim=-1, keepdim=True)
-    if bool(empty.any()):
         qpos = torch.arange(kv_len - q_len, kv_len, device=device)
-        own = (qpos[:, None] == torch.arange(kv_len, device=device)[None, :])[None, None]
-        allowed = allowed | (empty & own)
+        visible = (torch.arange(kv_len, device=device)[None, :] <= qpos[:, None])[None, None]
+    else:
+        if attention_mask.dim() != 4 or attention_mask.shape[-2:] != (q_len, kv_len):
+            raise ValueError(
+                f"aah.hf takes 4-D attention masks of shape (B, 1, {q_len}, {kv_len}), got {tuple(attention_mask.shape)}"
+            )
+        if attention_mask.dtype == torch.bool:
+            visible = attention_mask
+        else:
+            hidden = ~torch.isfinite(attention_mask) | (attention_mask <= torch.finfo(attention_mask.dtype).min / 2)
+            if bool((~hidden & (attention_mask != 0)).any()):
+                raise ValueError(
+                    "aah.hf takes additive 4-D masks of 0 (visible) and -inf or the dtype's minimum (hidden) "
+                    "only; a mask with other values is a bias that per-head windows cannot keep exact"
+                )
+            visible = attention_mask == 0
+        visible = visible.to(device)
+        if visible.shape[1] != 1:
+            raise ValueError(f"aah.hf takes one mask for all heads (B, 1, Tq, Tk), got {tuple(visible.shape)}")
+    if documents is not None:
+        documents = documents.to(device)
+        same = documents[:, -q_len:, None] == documents[:, None, :]  # (B, Tq, Tk)
+        visible = visible & same[:, None]
+    return visible
+
+
+def allowed_keys(windows: Sequence[int], sinks: int, visible: torch.Tensor) -> torch.Tensor:
+    """Boolean (B or 1, H, Tq, Tk) mask of the keys each head's queries attend.
+
+    ``visible`` (B or 1, 1, Tq, Tk) says which keys a query may see at all (:func:`visible_keys`).
+    A query sits at the last key it may see (itself); a head with window ``W`` keeps the visible
+    keys less than ``W`` positions before it, and every query keeps the first ``sinks`` keys it
+    may see (its row's or document's sink tokens). A query that may see nothing (a padding
+    position) is given its own position, so that softmax stays finite.
+    """
+    kv_len = visible.shape[-1]
+    kpos = torch.arange(kv_len, device=visible.device)
+    own = torch.where(visible, kpos, -1).amax(dim=-1, keepdim=True)  # (B, 1, Tq, 1)
+    empty = own < 0
+    w = torch.tensor(list(windows), device=visible.device).view(1, -1, 1, 1)
+    allowed = visible & (kpos > own - w)
+    if sinks:
+        allowed = allowed | (visible & (visible.cumsum(dim=-1) <= sinks))
+    if bool(empty.any()):
+        allowed = allowed | (empty & (kpos == 0))
     return allowed
 
 

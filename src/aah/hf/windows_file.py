@@ -19,10 +19,16 @@ from safetensors.torch import load_file, save_file
 from ..data._files import atomic_path
 from ..windows import as_window_tensor
 
-__all__ = ["REQUIRED_META", "check_windows_for", "load_windows", "model_signature", "save_windows"]
+__all__ = ["MAX_SINK_TOKENS", "MAX_WINDOW", "REQUIRED_META", "check_windows_for", "load_windows", "model_signature",
+           "save_windows"]
 
 #: Metadata every windows file carries.
 REQUIRED_META = ("model", "seq_len", "policy", "budget", "sink_tokens", "acr", "causal_coverage")
+#: The largest window a file may hold: 2**24 tokens. A window at or above a model's context
+#: means full attention for that head; anything larger is a damaged file.
+MAX_WINDOW = 2**24
+#: The most sink tokens a file may name.
+MAX_SINK_TOKENS = 4096
 
 
 def model_signature(model_or_config) -> dict[str, Any]:
@@ -52,8 +58,14 @@ def save_windows(path: str | os.PathLike, windows: torch.Tensor, meta: dict[str,
     return Path(path)
 
 
-def load_windows(path: str | os.PathLike) -> tuple[torch.Tensor, dict[str, Any]]:
-    """``(windows, meta)`` from a file written by :func:`save_windows`."""
+def load_windows(path: str | os.PathLike, model=None) -> tuple[torch.Tensor, dict[str, Any]]:
+    """``(windows, meta)`` from a file written by :func:`save_windows`, checked.
+
+    ``ValueError`` (naming the file and the field) for anything but an integer (L, H) tensor of
+    windows in ``[1, MAX_WINDOW]`` with readable metadata: ``sink_tokens`` an integer in
+    ``[0, MAX_SINK_TOKENS]``, ``seq_len`` an integer >= 1. With ``model`` (or its config) the file
+    must also have been made for that model (:func:`check_windows_for`).
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"windows file not found: {path}")
@@ -72,11 +84,37 @@ def load_windows(path: str | os.PathLike) -> tuple[torch.Tensor, dict[str, Any]]
     missing = [key for key in REQUIRED_META if key not in meta]
     if missing:
         raise ValueError(f"{path} lacks metadata {missing}")
-    return as_window_tensor(tensors["windows"]), meta
+    windows = _checked_windows(tensors["windows"], path)
+    _check_int(meta, "sink_tokens", 0, MAX_SINK_TOKENS, path)
+    _check_int(meta, "seq_len", 1, MAX_WINDOW, path)
+    if model is not None:
+        check_windows_for(model, windows, meta, str(path))
+    return windows, meta
 
 
-def check_windows_for(model_or_config, windows: torch.Tensor, meta: dict[str, Any], path: str) -> None:
-    """Raise ``ValueError`` when a windows file was made for another model."""
+def _checked_windows(tensor: torch.Tensor, path: Path) -> torch.Tensor:
+    if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
+        raise ValueError(f"{path}: windows must be an integer tensor, got {tensor.dtype}")
+    if tensor.dim() != 2 or 0 in tensor.shape:
+        raise ValueError(f"{path}: windows must be (num_layers, num_query_heads), got shape {tuple(tensor.shape)}")
+    low, high = int(tensor.min()), int(tensor.max())
+    if low < 1 or high > MAX_WINDOW:
+        raise ValueError(
+            f"{path}: windows must lie in [1, {MAX_WINDOW}] (a window at or above the context means full "
+            f"attention), got values in [{low}, {high}]; the file is damaged or not a windows file"
+        )
+    return as_window_tensor(tensor)
+
+
+def _check_int(meta: dict[str, Any], key: str, low: int, high: int, path: Path) -> None:
+    value = meta[key]
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{path}: metadata {key} must be an integer in [{low}, {high}], got {value!r}")
+
+
+def check_windows_for(model_or_config, windows: torch.Tensor, meta: dict[str, Any], path: str = "windows") -> None:
+    """Raise ``ValueError`` when a windows file (``windows`` and ``meta`` as :func:`load_windows`
+    gives them) was made for another model than ``model_or_config``."""
     expected = model_signature(model_or_config)
     if meta.get("model") != expected:
         raise ValueError(f"{path} was calibrated for {meta.get('model')}, not for this model {expected}")

@@ -1,0 +1,101 @@
+"""How a patched model's ``generate`` gets its window cache, and how it pickles.
+
+:func:`aah.hf.patch` moves the model into a subclass of its own class (``AAH<Class>``, made
+once per class) whose public ``generate`` passes an :func:`aah.hf.new_cache` window cache when
+the caller passes none. ``cache_implementation`` maps as follows:
+
+* unset or ``"dynamic"``: the window cache (it grows with the tokens, up to each window);
+* ``"static"``: transformers' ``StaticCache``, exact (the windows are applied by mask), without
+  the window cache's memory saving;
+* anything else (``"offloaded"``, ``"offloaded_static"``, ``"quantized"``, ...): ``ValueError``
+  naming these choices.
+
+An explicit ``past_key_values`` is used as given. Assisted decoding and prompt lookup get a
+window cache that ``crop`` can take back exactly. The subclass pickles and deep-copies as the
+original class plus the patch, so ``torch.save`` / ``torch.load`` and ``copy.deepcopy`` of a
+patched model give a patched model; :func:`aah.hf.unpatch` moves it back.
+"""
+
+from __future__ import annotations
+
+import copy
+from functools import cache
+
+import torch
+
+__all__ = ["CACHE_IMPLEMENTATIONS", "adopt", "release"]
+
+#: ``cache_implementation`` values a patched model's ``generate`` takes (``None``: unset).
+CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")
+
+
+class _PatchedGeneration:
+    """Mixed in front of a transformers model class by :func:`adopt`."""
+
+    _aah_base: type
+
+    def generate(self, *args, **kwargs):
+        if kwargs.get("past_key_values") is None:
+            kwargs = _with_window_cache(self, kwargs)
+        return super().generate(*args, **kwargs)
+
+    def __reduce_ex__(self, protocol):
+        reduced = super().__reduce_ex__(protocol)
+        func, args = reduced[0], reduced[1]
+        if args and args[0] is type(self):  # copyreg.__newobj__(cls, ...): rebuild from the base class
+            args = (self._aah_base,) + tuple(args[1:])
+        return (_rebuild, (func, args)) + tuple(reduced[2:])
+
+
+def _rebuild(func, args):
+    obj = func(*args)
+    obj.__class__ = patched_class(type(obj))
+    from .patching import register
+
+    register()
+    return obj
+
+
+@cache
+def patched_class(base: type) -> type:
+    """``AAH<base>``: ``base`` with the patched ``generate`` and pickling."""
+    return type(f"AAH{base.__name__}", (_PatchedGeneration, base), {"_aah_base": base, "__module__": __name__})
+
+
+def adopt(model: torch.nn.Module) -> None:
+    """Move ``model`` into its patched class (once)."""
+    if not isinstance(model, _PatchedGeneration):
+        model.__class__ = patched_class(type(model))
+
+
+def release(model: torch.nn.Module) -> None:
+    """Move ``model`` back to its own class."""
+    if isinstance(model, _PatchedGeneration):
+        model.__class__ = model._aah_base
+
+
+def _with_window_cache(model, kwargs: dict) -> dict:
+    """``kwargs`` with a window cache added where ``generate`` would build its own cache."""
+    config = kwargs.get("generation_config") or model.generation_config
+    implementation = kwargs.get("cache_implementation", config.cache_implementation)
+    if implementation not in CACHE_IMPLEMENTATIONS:
+        raise ValueError(
+            f"cache_implementation={implementation!r} is not supported by a model patched with aah.hf; "
+            "leave it unset or use 'dynamic' (the window cache, which keeps each head's window), or 'static' "
+            "(transformers' StaticCache, exact but without the memory saving)"
+        )
+    use_cache = kwargs.get("use_cache", config.use_cache)
+    if implementation == "static" or use_cache is False:
+        return kwargs
+    from .cache import ASSISTED_CROP_LIMIT, new_cache
+
+    assisted = kwargs.get("assistant_model") is not None or (
+        kwargs.get("prompt_lookup_num_tokens", config.prompt_lookup_num_tokens) is not None
+    )
+    kwargs = dict(kwargs, past_key_values=new_cache(model, crop_limit=ASSISTED_CROP_LIMIT if assisted else 0))
+    kwargs.pop("cache_implementation", None)
+    if config.cache_implementation is not None:
+        config = copy.deepcopy(config)
+        config.cache_implementation = None
+        kwargs["generation_config"] = config
+    return kwargs
