@@ -146,8 +146,9 @@ def test_static_cache_is_exact(kind):
     torch.testing.assert_close(logits2, logits)
 
 
-def test_cache_implementation_maps_or_refuses_with_the_choices():
-    model = hf.patch(_tiny("llama"), WINDOWS, sink_tokens=SINKS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_cache_implementation_maps_or_refuses_with_the_choices(kind):
+    model = hf.patch(_tiny(kind), WINDOWS, sink_tokens=SINKS)
     prompt = _ids(1, 12)
     with torch.no_grad():
         plain, _ = _greedy_with_scores(model, prompt, 6)
@@ -208,8 +209,9 @@ def test_beam_search_and_several_return_sequences_match_the_dynamic_cache_path()
     assert torch.equal(window, static)
 
 
-def test_reset_then_a_batch_of_another_size():
-    model = hf.patch(_tiny("llama"), WINDOWS, sink_tokens=SINKS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_reset_then_a_batch_of_another_size(kind):
+    model = hf.patch(_tiny(kind), WINDOWS, sink_tokens=SINKS)
     cache = hf.new_cache(model)
     with torch.no_grad():
         model(_ids(2, 10), past_key_values=cache)
@@ -223,7 +225,7 @@ def test_reset_then_a_batch_of_another_size():
     torch.testing.assert_close(reused, fresh)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_left_padded_row_shorter_than_the_sinks(kind):
     model = hf.patch(_tiny(kind), WINDOWS, sink_tokens=4)
     prompt = _ids(2, 10)
@@ -263,8 +265,9 @@ def test_packed_rows_through_a_window_cache_are_refused():
         model(_ids(1, 12), position_ids=position_ids, past_key_values=hf.new_cache(model))
 
 
-def test_custom_4d_masks_are_exact_or_refused():
-    model = hf.patch(_tiny("llama"), WINDOWS, sink_tokens=SINKS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_custom_4d_masks_are_exact_or_refused(kind):
+    model = hf.patch(_tiny(kind), WINDOWS, sink_tokens=SINKS)
     ids = _ids(1, 16)
     documents = (torch.arange(16) >= 6).long()[None]
     visible = (documents[:, :, None] == documents[:, None, :]) & torch.ones(16, 16, dtype=torch.bool).tril()
@@ -283,8 +286,9 @@ def test_custom_4d_masks_are_exact_or_refused():
 
 # ---- memory ---------------------------------------------------------------------------------
 
-def test_full_windows_cost_what_a_dynamic_cache_costs():
-    model = hf.patch(_tiny("llama"), torch.full((2, 4), 2**20), sink_tokens=0)
+@pytest.mark.parametrize("kind", KINDS)
+def test_full_windows_cost_what_a_dynamic_cache_costs(kind):
+    model = hf.patch(_tiny(kind), torch.full((2, 4), 2**20), sink_tokens=0)
     ids = _ids(1, 20)
     with torch.no_grad():
         cache = hf.new_cache(model)
@@ -314,8 +318,9 @@ def test_no_mask_cache_outlives_the_model():
 
 # ---- unpatch, pickling, copies ----------------------------------------------------------------
 
-def test_a_window_cache_after_unpatch_raises_a_clear_error():
-    model = hf.patch(_tiny("llama"), WINDOWS, sink_tokens=SINKS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_window_cache_after_unpatch_raises_a_clear_error(kind):
+    model = hf.patch(_tiny(kind), WINDOWS, sink_tokens=SINKS)
     cache = hf.new_cache(model)
     with torch.no_grad():
         model(_ids(1, 6), past_key_values=cache)
@@ -326,8 +331,9 @@ def test_a_window_cache_after_unpatch_raises_a_clear_error():
             model(_ids(1, 1), past_key_values=cache)
 
 
-def test_patched_models_pickle_and_deep_copy():
-    model = hf.patch(_tiny("llama"), WINDOWS, sink_tokens=SINKS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_patched_models_pickle_and_deep_copy(kind):
+    model = hf.patch(_tiny(kind), WINDOWS, sink_tokens=SINKS)
     prompt = _ids(1, 12)
     with torch.no_grad():
         expected = model.generate(prompt, max_new_tokens=6, do_sample=False)
@@ -345,7 +351,7 @@ def test_patched_models_pickle_and_deep_copy():
     ref = reference_logits(twin, out.sequences, other, 1)[:, 11:17]
     torch.testing.assert_close(torch.stack(out.logits, 1), ref, atol=2e-4, rtol=1e-4)
     hf.unpatch(twin)
-    assert type(twin) is transformers.LlamaForCausalLM
+    assert type(twin) is type(_tiny(kind))
 
 
 # ---- windows files ------------------------------------------------------------------------------
