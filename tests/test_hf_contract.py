@@ -159,6 +159,12 @@ def test_cache_implementation_maps_or_refuses_with_the_choices(kind):
         config = copy.deepcopy(model.generation_config)
         config.cache_implementation = "dynamic"
         assert torch.equal(model.generate(prompt, generation_config=config, max_new_tokens=6, do_sample=False), plain)
+        model.generation_config.cache_implementation = "dynamic"  # the model's own setting
+        assert torch.equal(model.generate(prompt, max_new_tokens=6, do_sample=False), plain)
+        model.generation_config.cache_implementation = "static"
+        static = model.generate(prompt, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
+        assert isinstance(static.past_key_values, transformers.StaticCache)
+        model.generation_config.cache_implementation = None
         for name in ("offloaded", "offloaded_static", "quantized"):
             with pytest.raises(ValueError, match=r"cache_implementation='.*' is not supported.*'dynamic'.*'static'"):
                 model.generate(prompt, max_new_tokens=2, cache_implementation=name)
@@ -187,7 +193,7 @@ def test_crop_takes_back_exactly_and_refuses_beyond_its_records():
         cache.crop(-5)
         assert cache.get_seq_length() == 22
         again = model(ids[:, 22:30], past_key_values=cache).logits
-        with pytest.raises(ValueError, match="only its last 8 positions"):
+        with pytest.raises(ValueError, match="down to 22"):
             cache.crop(-12)
         plain = hf.new_cache(model)
         model(ids[:, :22], past_key_values=plain)
@@ -195,6 +201,76 @@ def test_crop_takes_back_exactly_and_refuses_beyond_its_records():
             plain.crop(-1)
     ref = reference_logits(model, ids, WINDOWS, SINKS)[:, 22:30]
     torch.testing.assert_close(again, ref, atol=2e-4, rtol=1e-4)
+
+
+def test_a_crop_never_reaches_into_a_write_an_earlier_crop_cut():
+    model = hf.patch(_tiny("llama"), WINDOWS, sink_tokens=SINKS)
+    ids = _ids(2, 40)
+    with torch.no_grad():
+        cache = hf.new_cache(model, crop_limit=8)
+        model(ids[:, :20], past_key_values=cache)
+        model(ids[:, 20:27], past_key_values=cache)
+        cache.crop(-5)  # cuts the write of 20..26 at 22
+        model(ids[:, 22:24], past_key_values=cache)
+        with pytest.raises(ValueError, match="an earlier crop cut"):
+            cache.crop(-3)
+        cache.crop(-2)  # back to 22 exactly: allowed and exact
+        out = model(ids[:, 22:30], past_key_values=cache).logits
+    torch.testing.assert_close(out, reference_logits(model, ids, WINDOWS, SINKS)[:, 22:30], atol=2e-4, rtol=1e-4)
+
+
+def test_past_recording_takes_back_a_whole_long_write():
+    """transformers turns recording on before assisted decoding: a block of drafts longer than
+    any limit (here 30 positions, rings of at most 9) is taken back exactly."""
+    model = hf.patch(_tiny("llama"), WINDOWS, sink_tokens=SINKS)
+    ids = _ids(1, 60)
+    with torch.no_grad():
+        cache = hf.new_cache(model)
+        model(ids[:, :20], past_key_values=cache)
+        cache.activate_past_recording()
+        model(ids[:, 20:50], past_key_values=cache)
+        cache.crop(-29)
+        out = model(ids[:, 21:60], past_key_values=cache).logits
+    torch.testing.assert_close(out, reference_logits(model, ids, WINDOWS, SINKS)[:, 21:60], atol=2e-4, rtol=1e-4)
+
+
+def test_a_patched_assistant_and_early_exit_equal_plain_greedy():
+    model = hf.patch(_tiny("llama"), WINDOWS, sink_tokens=SINKS)
+    assistant = hf.patch(_tiny("llama", seed=3), torch.full((2, 4), 3), sink_tokens=1)
+    prompt = torch.cat([_ids(1, 8), _ids(1, 8)], dim=1)
+    with torch.no_grad():
+        plain = model.generate(prompt, max_new_tokens=12, do_sample=False)
+        assert torch.equal(model.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=assistant), plain)
+        assert torch.equal(model.generate(prompt, max_new_tokens=12, do_sample=False, assistant_early_exit=1), plain)
+
+
+def test_chunked_prefill_with_a_first_chunk_of_padding():
+    model = hf.patch(_tiny("llama"), WINDOWS, sink_tokens=SINKS)
+    prompt = _ids(2, 12)
+    real = torch.ones_like(prompt)
+    real[1, :6] = 0
+    prompt[1, :6] = 0
+    with torch.no_grad():
+        out = model.generate(prompt, attention_mask=real, prefill_chunk_size=4, max_new_tokens=8, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+    full_real = torch.cat([real, torch.ones(2, 8, dtype=real.dtype)], 1)
+    ref = reference_logits(model, out.sequences, WINDOWS, SINKS, real=full_real)[:, 11:19]
+    torch.testing.assert_close(torch.stack(out.logits, 1), ref, atol=2e-4, rtol=1e-4)
+
+
+def test_a_cache_never_loses_keys_inside_a_window_silently():
+    model = _tiny("llama")
+    model.config.max_position_embeddings = 16
+    full = torch.full((2, 4), 2**20)
+    hf.patch(model, full, sink_tokens=0)
+    with torch.no_grad():  # past the model's context: still every key (transformers only warns)
+        out = model.generate(_ids(1, 10), max_new_tokens=14, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+        capped = hf.new_cache(model, max_cache_len=8)
+        with pytest.raises(ValueError, match="max_cache_len=8"):
+            model(_ids(1, 9), past_key_values=capped)
+    ref = reference_logits(model, out.sequences, full, 0)[:, 9:23]
+    torch.testing.assert_close(torch.stack(out.logits, 1), ref, atol=2e-4, rtol=1e-4)
 
 
 def test_beam_search_and_several_return_sequences_match_the_dynamic_cache_path():
@@ -279,6 +355,10 @@ def test_custom_4d_masks_are_exact_or_refused(kind):
         bias[..., 0] = 0.5
         with pytest.raises(ValueError, match="additive 4-D masks of 0"):
             model(ids, attention_mask=bias, use_cache=False)
+        prefix_lm = visible.clone()
+        prefix_lm[:, :4, :4] = True  # a query sees later keys of its prefix
+        with pytest.raises(ValueError, match="causal 4-D masks only"):
+            model(ids, attention_mask=prefix_lm[:, None], use_cache=False)
     ref = reference_logits(model, ids, WINDOWS, SINKS, documents=documents)
     torch.testing.assert_close(out, ref, atol=2e-4, rtol=1e-4)
     torch.testing.assert_close(out_additive, out)
@@ -352,6 +432,12 @@ def test_patched_models_pickle_and_deep_copy(kind):
     torch.testing.assert_close(torch.stack(out.logits, 1), ref, atol=2e-4, rtol=1e-4)
     hf.unpatch(twin)
     assert type(twin) is type(_tiny(kind))
+
+
+def test_save_pretrained_of_a_patched_model_names_the_model_class(tmp_path):
+    model = hf.patch(_tiny("qwen3"), WINDOWS, sink_tokens=SINKS)
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
 
 
 # ---- windows files ------------------------------------------------------------------------------

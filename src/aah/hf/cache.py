@@ -3,8 +3,7 @@
 Built on transformers' cache-layer API (``CacheLayerMixin``): one :class:`WindowCacheLayer`
 per decoder layer inside a plain ``transformers.Cache``. The query heads that read one KV
 head share a buffer of ``S + C`` slots, where ``S`` is the number of sink tokens and ``C`` the
-largest window among those query heads, capped by the cache's maximum length (the model's
-context unless given): slots ``0..S-1`` hold each row's sink tokens (its first ``S`` real
+largest window among those query heads (capped by ``max_cache_len`` when given): slots ``0..S-1`` hold each row's sink tokens (its first ``S`` real
 tokens, so left padding is respected), and the other slots are a ring over every position
 (position ``p`` in slot ``p mod C``). A key inside a head's window is read from the ring; a
 sink outside it from its sink slot, so no key is counted twice. With one window per KV group
@@ -20,9 +19,11 @@ over the buffer. Every other call (chunked prefill after a prefix, mixed windows
 padding) attends over the buffer plus the new tokens with an exact position mask, then stores
 the new tokens.
 
-``crop`` (assisted decoding, prompt lookup) is exact for a cache made with ``crop_limit > 0``
-(``generate`` makes one when it decodes with an assistant or prompt lookup): every write
-records what it overwrote for the last ``crop_limit`` positions, and ``crop`` puts it back.
+``crop`` (assisted decoding, prompt lookup) is exact: while transformers has past recording on
+(``activate_past_recording``, which assisted decoding calls), each write records what it
+overwrites, and ``crop`` puts it back; a cache made with ``crop_limit > 0`` records the last
+``crop_limit`` positions always. A crop that reaches back further, or into a write an earlier
+crop cut in two, raises ``ValueError``.
 """
 
 from __future__ import annotations
@@ -36,14 +37,9 @@ from ._transformers import require
 from .patching import LayerWindows, attend_without_cache, layer_specs, visible_keys
 from .windowed_kv import Pending, WindowedKV
 
-__all__ = ["ASSISTED_CROP_LIMIT", "WindowCacheLayer", "new_cache", "cache_memory_bytes"]
+__all__ = ["WindowCacheLayer", "new_cache", "cache_memory_bytes"]
 
 _transformers_cache = require("transformers.cache_utils")
-
-#: Positions a window cache made by ``generate`` for assisted decoding or prompt lookup can
-#: take back with ``crop`` (they check fewer candidates per step). Other caches keep no records.
-ASSISTED_CROP_LIMIT = 64
-
 
 @dataclass
 class _Undo:
@@ -123,7 +119,9 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         self.num_kv_heads = num_kv_heads
         self.max_cache_len = max_cache_len
         self.crop_limit = crop_limit
+        self.record_past = False  # transformers' flag: record every write until the next crop
         self.cumulative_length = 0
+        self._crop_floor = 0  # no crop may reach below this position (an earlier crop cut a write there)
         self.sink_start: torch.Tensor | None = None  # (B,) first real position of each row
 
     # -- transformers' cache-layer API ------------------------------------------------------
@@ -139,6 +137,7 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
             g.ring_positions = torch.full((0,), -1, dtype=torch.long, device=self.device)
             g.undo = []
         self.sink_start = torch.zeros(batch, dtype=torch.long, device=self.device)
+        self._crop_floor = 0
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -172,6 +171,7 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
             g.undo = []
         self.sink_start = None
         self.cumulative_length = 0
+        self._crop_floor = 0
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -196,7 +196,12 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
 
     @property
     def is_croppable(self) -> bool:  # noqa: D102 - transformers' flag
-        return self.crop_limit > 0
+        return self.crop_limit > 0 or self.record_past
+
+    def activate_past_recording(self) -> None:
+        """Record every write from now on, so that ``crop`` can take back a whole write (transformers
+        calls this before assisted decoding and prompt lookup)."""
+        self.record_past = True
 
     def crop(self, tokens_to_remove: int) -> None:
         """Take back the last ``-tokens_to_remove`` positions (a negative count, as transformers'
@@ -205,18 +210,22 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative count of tokens to remove, got {tokens_to_remove}")
         target = self.cumulative_length + tokens_to_remove
-        if target >= self.cumulative_length:
+        if target >= self.cumulative_length or not self.is_initialized:
             return
         if target < 0:
             raise ValueError(f"cannot crop {-tokens_to_remove} of {self.cumulative_length} tokens")
-        if target < self.cumulative_length - self.crop_limit:
+        reach = self.cumulative_length - self.crop_limit
+        if self.record_past and self.groups[0].undo:
+            reach = min(reach, self.groups[0].undo[-1].start)
+        if target < max(reach, self._crop_floor):
             raise ValueError(
-                f"this window cache can take back only its last {self.crop_limit} positions exactly "
-                f"(crop_limit of aah.hf.new_cache); cropping {self.cumulative_length} tokens to {target} needs more"
+                f"this window cache can take back its positions only down to {max(reach, self._crop_floor)} "
+                f"(the last write while transformers records the past, the last {self.crop_limit} positions "
+                f"by crop_limit of aah.hf.new_cache, and never into a write an earlier crop cut); "
+                f"cropping {self.cumulative_length} tokens to {target} needs more"
             )
-        if self.is_initialized:
-            for g in self.groups:
-                self._undo_to(g, target)
+        for g in self.groups:
+            self._undo_to(g, target)
         self.cumulative_length = target
 
     def _undo_to(self, g: _Group, target: int) -> None:
@@ -232,6 +241,7 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
                 g.values[:, :, sinks + slots] = r.old_values[:, :, drop:]
             if r.start >= target:
                 continue
+            self._crop_floor = max(self._crop_floor, target)  # the rest of this write is not recorded
             if r.skipped_keys is not None:  # positions of this write that the ring never held
                 lo = max(r.skipped_start, target - g.capacity)
                 hi = min(target, r.skipped_start + r.skipped_keys.shape[2])
@@ -277,12 +287,24 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
             out = attend_without_cache(query, pending.keys, pending.values, attention_mask, scaling, spec)
             self._store(pending.keys, pending.values, 0)
             return out
+        if attention_mask is not None and self.sink_tokens:
+            self._late_sinks(query.shape[2], pending.start, attention_mask)
         if self._can_decode_unmasked(query, pending, attention_mask):
             self._store(pending.keys, pending.values, pending.start)
             return self._decode_unmasked(query, scaling)
         out = self._attend_masked(query, pending, attention_mask, scaling)
         self._store(pending.keys, pending.values, pending.start)
         return out
+
+    def _late_sinks(self, new: int, start: int, attention_mask: torch.Tensor) -> None:
+        """Rows whose earlier calls held only padding find their first real token (their sinks) now."""
+        unknown = self.sink_start >= start
+        if not bool(unknown.any()):
+            return
+        kv_len = start + new
+        row = visible_keys(new, kv_len, attention_mask, self.sink_start.device)[:, 0, -1]
+        first = torch.where(row, torch.arange(kv_len, device=row.device), kv_len).amin(dim=-1)
+        self.sink_start = torch.where(unknown, first, self.sink_start)
 
     def _can_decode_unmasked(self, query, pending: Pending, attention_mask) -> bool:
         """One new token, no padding, one window per group, rings full and sinks out of every window."""
@@ -377,11 +399,17 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
                     take = fresh[:, None, :, None]
                     g.keys[:, :, :sinks] = torch.where(take, k.gather(2, index), g.keys[:, :, :sinks])
                     g.values[:, :, :sinks] = torch.where(take, v.gather(2, index), g.values[:, :, :sinks])
+            if self.max_cache_len is not None and start + new > self.max_cache_len and g.capacity < max(g.query_windows):
+                raise ValueError(
+                    f"this window cache holds at most max_cache_len={self.max_cache_len} positions, and "
+                    f"{start + new} would push keys out of windows of up to {max(g.query_windows)}; "
+                    "build it with a larger max_cache_len (aah.hf.new_cache)"
+                )
             self._grow(g, start + new)
             first = max(start, start + new - g.capacity)  # older ones would be overwritten at once
             pos = torch.arange(first, start + new, device=g.ring_positions.device)
             slots = pos % g.capacity
-            if self.crop_limit:
+            if self.crop_limit or self.record_past:
                 self._record(g, start, start + new, first, slots, k, v)
             g.keys[:, :, sinks + slots] = k[:, :, first - start:]
             g.values[:, :, sinks + slots] = v[:, :, first - start:]
@@ -391,7 +419,7 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         """Keep what the write of positions ``start..end-1`` overwrites, for its last
         ``crop_limit`` positions, and the positions it skips that a crop back into it needs."""
         limit, sinks = self.crop_limit, self.sink_tokens
-        n = min(slots.numel(), limit)
+        n = slots.numel() if self.record_past else min(slots.numel(), limit)
         slots = slots[slots.numel() - n:]
         old = g.ring_positions[slots].clone()
         held = bool((old >= 0).any())
@@ -400,29 +428,27 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
             g.keys[:, :, sinks + slots].clone() if held else None,
             g.values[:, :, sinks + slots].clone() if held else None,
         )
-        skipped_start = max(start, end - limit - g.capacity)
+        skipped_start = start if self.record_past else max(start, end - limit - g.capacity)
         if first > skipped_start:  # the write was longer than the ring
             record.skipped_start = skipped_start
             record.skipped_keys = k[:, :, skipped_start - start:first - start].clone()
             record.skipped_values = v[:, :, skipped_start - start:first - start].clone()
-        g.undo.append(record)
         while g.undo and g.undo[0].end <= end - limit:
             g.undo.pop(0)
+        g.undo.append(record)
 
 
 def new_cache(model: torch.nn.Module, *, max_cache_len: int | None = None, crop_limit: int = 0):
     """A ``transformers.Cache`` of :class:`WindowCacheLayer`, one per layer of a patched model.
 
-    Each ring holds at most ``min(window, max_cache_len)`` positions plus the sinks, and grows
-    with the tokens seen; ``max_cache_len`` defaults to the model's ``max_position_embeddings``,
-    so windows at or above the context cost what a dynamic cache costs. ``crop_limit`` is how
-    many of the last positions ``crop`` can take back exactly.
+    Each ring grows with the tokens seen up to its largest window (or ``max_cache_len``, when
+    given: a cache that would then lose keys inside a window raises ``ValueError`` instead), so
+    windows at or above the context cost what a dynamic cache costs. ``crop_limit`` is how many
+    of the last positions ``crop`` can always take back exactly.
     """
     specs = layer_specs(model)
     config = model.config
     num_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    if max_cache_len is None:
-        max_cache_len = getattr(config, "max_position_embeddings", None)
     layers = [
         WindowCacheLayer(spec.windows, spec.sink_tokens, num_kv, max_cache_len=max_cache_len, crop_limit=crop_limit)
         for spec in specs

@@ -1,8 +1,8 @@
 """How a patched model's ``generate`` gets its window cache, and how it pickles.
 
-:func:`aah.hf.patch` moves the model into a subclass of its own class (``AAH<Class>``, made
-once per class) whose public ``generate`` passes an :func:`aah.hf.new_cache` window cache when
-the caller passes none. ``cache_implementation`` maps as follows:
+:func:`aah.hf.patch` moves the model into a subclass of its own class (made once per class,
+under the same name, so ``save_pretrained`` writes the same architecture) whose public
+``generate`` passes an :func:`aah.hf.new_cache` window cache when the caller passes none. ``cache_implementation`` maps as follows:
 
 * unset or ``"dynamic"``: the window cache (it grows with the tokens, up to each window);
 * ``"static"``: transformers' ``StaticCache``, exact (the windows are applied by mask), without
@@ -10,15 +10,16 @@ the caller passes none. ``cache_implementation`` maps as follows:
 * anything else (``"offloaded"``, ``"offloaded_static"``, ``"quantized"``, ...): ``ValueError``
   naming these choices.
 
-An explicit ``past_key_values`` is used as given. Assisted decoding and prompt lookup get a
-window cache that ``crop`` can take back exactly. The subclass pickles and deep-copies as the
+Each setting is resolved as transformers resolves it (the keyword, the passed
+``generation_config``, the model's). An explicit ``past_key_values`` is used as given. Assisted
+decoding and prompt lookup turn on the window cache's past recording, so ``crop`` takes back
+the rejected drafts exactly (a patched assistant's own cache records too). The subclass pickles and deep-copies as the
 original class plus the patch, so ``torch.save`` / ``torch.load`` and ``copy.deepcopy`` of a
 patched model give a patched model; :func:`aah.hf.unpatch` moves it back.
 """
 
 from __future__ import annotations
 
-import copy
 from functools import cache
 
 import torch
@@ -58,8 +59,10 @@ def _rebuild(func, args):
 
 @cache
 def patched_class(base: type) -> type:
-    """``AAH<base>``: ``base`` with the patched ``generate`` and pickling."""
-    return type(f"AAH{base.__name__}", (_PatchedGeneration, base), {"_aah_base": base, "__module__": __name__})
+    """``base`` with the patched ``generate`` and pickling, under ``base``'s own name (which
+    ``save_pretrained`` writes as the architecture)."""
+    return type(base.__name__, (_PatchedGeneration, base),
+                {"_aah_base": base, "__module__": __name__, "__qualname__": base.__qualname__})
 
 
 def adopt(model: torch.nn.Module) -> None:
@@ -74,28 +77,31 @@ def release(model: torch.nn.Module) -> None:
         model.__class__ = model._aah_base
 
 
+def _setting(name: str, kwargs: dict, passed, model):
+    """A generation setting as transformers resolves it: the keyword, else the passed config's,
+    else the model's (the first that is set)."""
+    for source in (kwargs, vars(passed) if passed is not None else {}, vars(model.generation_config)):
+        value = source.get(name)
+        if value is not None:
+            return value
+    return None
+
+
 def _with_window_cache(model, kwargs: dict) -> dict:
     """``kwargs`` with a window cache added where ``generate`` would build its own cache."""
-    config = kwargs.get("generation_config") or model.generation_config
-    implementation = kwargs.get("cache_implementation", config.cache_implementation)
+    passed = kwargs.get("generation_config")
+    implementation = _setting("cache_implementation", kwargs, passed, model)
     if implementation not in CACHE_IMPLEMENTATIONS:
         raise ValueError(
             f"cache_implementation={implementation!r} is not supported by a model patched with aah.hf; "
             "leave it unset or use 'dynamic' (the window cache, which keeps each head's window), or 'static' "
             "(transformers' StaticCache, exact but without the memory saving)"
         )
-    use_cache = kwargs.get("use_cache", config.use_cache)
-    if implementation == "static" or use_cache is False:
+    if implementation == "static" or _setting("use_cache", kwargs, passed, model) is False:
         return kwargs
-    from .cache import ASSISTED_CROP_LIMIT, new_cache
+    from .cache import new_cache
 
-    assisted = kwargs.get("assistant_model") is not None or (
-        kwargs.get("prompt_lookup_num_tokens", config.prompt_lookup_num_tokens) is not None
-    )
-    kwargs = dict(kwargs, past_key_values=new_cache(model, crop_limit=ASSISTED_CROP_LIMIT if assisted else 0))
-    kwargs.pop("cache_implementation", None)
-    if config.cache_implementation is not None:
-        config = copy.deepcopy(config)
-        config.cache_implementation = None
-        kwargs["generation_config"] = config
-    return kwargs
+    cache = new_cache(model)
+    if _setting("is_assistant", kwargs, passed, model):  # an assistant's drafts are taken back by crop
+        cache.activate_past_recording()
+    return dict(kwargs, past_key_values=cache, cache_implementation=None)

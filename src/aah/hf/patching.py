@@ -396,6 +396,11 @@ def visible_keys(
                 )
             visible = attention_mask == 0
         visible = visible.to(device)
+        if q_len == kv_len and bool(torch.triu(visible, diagonal=1).any()):
+            raise ValueError(
+                "aah.hf takes causal 4-D masks only (no query may see a later key): a window is counted "
+                "back from the query"
+            )
         if visible.shape[1] != 1:
             raise ValueError(f"aah.hf takes one mask for all heads (B, 1, Tq, Tk), got {tuple(visible.shape)}")
     if documents is not None:
