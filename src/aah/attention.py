@@ -130,6 +130,8 @@ class AAHAttention(nn.Module):
             windows = (t,) * h
         backend = self._backend_for(x)
         y = attend(q, k, v, windows, backend=backend)
+        if self.aah_state is not None and self.training:
+            self.aah_state.watch_output(y)  # the loss_aware policy reads the gradient of y
         self.last_windows = windows
         return linear(self.out, y.transpose(1, 2).reshape(b, t, h * d))
 

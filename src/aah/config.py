@@ -37,6 +37,8 @@ import yaml
 from . import regimes
 from .controller.budget import check_budget, check_budget_layout
 from .controller.config import BUDGET_SCORINGS, ControllerConfig
+from .data.recall import DISTANCES as RECALL_DISTANCES
+from .data.recall import RECALL_CORPORA, RecallSpec
 from .model import GPTConfig
 from .windows import candidate_windows
 
@@ -343,6 +345,19 @@ class DataConfig(_Section):
     bpe_vocab_size: int = 4096
     cache_dir: str | None = None
     val_corpus: str | None = None
+    # The recall task of a recall corpus (shakespeare_recall, bible_recall; aah.data.recall).
+    recall_fraction: float = 0.1
+    recall_pairs: int = 8
+    recall_value_len: int = 3
+    recall_distance: str = "uniform"
+    recall_seed: int = 0
+
+    def recall_spec(self) -> RecallSpec:
+        """The recall task's knobs as a :class:`~aah.data.recall.RecallSpec`."""
+        return RecallSpec(
+            fraction=self.recall_fraction, pairs=self.recall_pairs, value_len=self.recall_value_len,
+            distance=self.recall_distance, seed=self.recall_seed,
+        )
 
     def _validate(self) -> None:
         if not self.corpus:
@@ -356,6 +371,22 @@ class DataConfig(_Section):
         if not 0.0 < self.val_fraction < 1.0:
             _fail(self.key("val_fraction"), f"must be in (0, 1), got {self.val_fraction}")
         self._at_least("bpe_vocab_size", 257)
+        self._validate_recall()
+
+    def _validate_recall(self) -> None:
+        _one_of(self.key("recall_distance"), self.recall_distance, RECALL_DISTANCES)
+        recall = [c for c in (self.corpus, self.val_corpus) if c in RECALL_CORPORA]
+        if not recall:
+            return
+        if self.tokenizer != "byte":
+            _fail(
+                self.key("tokenizer"),
+                f"the recall corpus {recall[0]!r} writes its episodes as bytes: use 'byte'; got {self.tokenizer!r}",
+            )
+        try:
+            self.recall_spec().validate(self.seq_len, prefix=f"{self.section}.recall_")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
 
 
 @dataclass(frozen=True)

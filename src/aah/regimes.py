@@ -239,6 +239,29 @@ _REGIMES = (
             grouping="per_head", hierarchy=(2,), scoring="uniform", parent_constraint=False, budget=0.5
         ),
     ),
+    # The recall suite's policies (docs/controller.md, "Loss-aware windows"; docs/results.md).
+    Regime(
+        "loss_aware",
+        "not in the paper: loss-cost knapsack at a coverage budget",
+        "Per-head windows minimising the summed estimated loss cost of the cuts (the empirical "
+        "Fisher estimate 1/2 (g . d)^2 of each head's output change d under each window, g the "
+        "training gradient at the head's output, EMA over control updates) subject to causal "
+        "coverage <= aah.budget, solved exactly per layer; default budget 0.5.",
+        ControllerConfig(
+            grouping="per_head", hierarchy=(2,), scoring="loss_aware", parent_constraint=False, budget=0.5
+        ),
+    ),
+    Regime(
+        "full_heads",
+        "not in the paper: DuoAttention-shaped fixed layout at a matched budget",
+        "A fixed layout after the warmup: in every layer the first heads (by index) keep the full "
+        "context, as many as aah.budget allows with the others at the smallest window; spare budget "
+        "raises the next head. Heads are interchangeable at initialisation, so the index is "
+        "arbitrary and training can route long-range work through the full heads.",
+        ControllerConfig(
+            grouping="per_head", hierarchy=(2,), scoring="full_heads", parent_constraint=False, budget=0.5
+        ),
+    ),
 )
 
 REGIMES: dict[str, Regime] = {r.name: r for r in _REGIMES}

@@ -37,6 +37,7 @@ __all__ = [
     "check_budget",
     "choose_windows",
     "uniform_choice",
+    "full_heads_choice",
 ]
 
 
@@ -181,6 +182,15 @@ def check_budget_layout(
     KV group (``kv_group`` with fewer KV heads than heads) would cut across those
     groups.
     """
+    if scoring in ("loss_aware", "full_heads"):
+        if budget_scope != "layer":
+            raise ValueError(f"{prefix}.budget_scope: {scoring} decides per layer, so it takes layer; got {budget_scope!r}")
+        if window_granularity != "head":
+            raise ValueError(
+                f"{prefix}.window_granularity: {scoring} gives each query head its own window, so it takes head; "
+                f"got {window_granularity!r}"
+            )
+        return
     if scoring != "budgeted_grouped":
         return
     if budget_scope != "layer":
@@ -255,4 +265,25 @@ def uniform_choice(
         upgraded = min(num_items, spare // step) if step > 0 else 0
         for i in range(upgraded):
             choice[i] = base + 1
+    return choice
+
+
+def full_heads_choice(costs: Sequence[int], budget: float, num_heads: int, seq_len: int) -> list[int]:
+    """The fixed "a few heads full, the rest short" layout (DuoAttention's shape): candidate index per head.
+
+    Greedy in head order: each head takes the largest candidate that the budget allows
+    with every later head at the smallest one, so the first ``m`` heads are full (``m``
+    the most the budget allows), capacity left over raises the next head as far as it
+    fits, and the rest take the smallest candidate. Raises ``ValueError`` when even every head
+    at the smallest candidate exceeds the budget.
+    """
+    capacity = budget_capacity(budget, num_heads, seq_len)
+    used = costs[0] * num_heads
+    if used > capacity:
+        raise ValueError(f"budget {budget:g} is below the coverage of the smallest window")
+    choice = [0] * num_heads
+    for h in range(num_heads):  # in head order: each head the largest candidate the rest leaves room for
+        fits = [c for c in range(len(costs)) if used - costs[0] + costs[c] <= capacity]
+        choice[h] = max(fits)
+        used += costs[choice[h]] - costs[0]
     return choice

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .budget import choose_windows, uniform_choice, window_costs
+from .budget import choose_windows, full_heads_choice, uniform_choice, window_costs
 
 if TYPE_CHECKING:
     from .controller import HeadController
@@ -35,6 +35,8 @@ __all__ = [
     "budget_head_index",
     "grouped_budget_head_index",
     "uniform_head_index",
+    "full_heads_head_index",
+    "loss_aware_head_index",
     "settle_model_budget",
     "lost_mass_metrics",
 ]
@@ -72,6 +74,27 @@ def uniform_head_index(ctrl: HeadController) -> torch.Tensor:
         exact=ctrl.config.uniform_exact, item_size=size,
     )
     return _to_heads(items, choice, ctrl.num_heads)
+
+
+def full_heads_head_index(ctrl: HeadController) -> torch.Tensor:
+    """The fixed ``full_heads`` layout: the first heads full, the rest at the smallest window."""
+    choice = full_heads_choice(_costs(ctrl), ctrl.config.budget, ctrl.num_heads, ctrl.max_seq_len)
+    return torch.tensor(choice, dtype=torch.long)
+
+
+def loss_aware_head_index(ctrl: HeadController) -> torch.Tensor:
+    """``loss_aware``: the knapsack over each head's estimated loss cost (:mod:`.loss_aware`).
+
+    The table is averaged over ranks here, so every rank decides the same windows; before
+    the first measurement the budget is split uniformly.
+    """
+    if not bool(ctrl.loss_cost_ready):
+        return uniform_head_index(ctrl)
+    from .controller import _mean_over_ranks
+
+    cost = _mean_over_ranks(ctrl.loss_cost.detach().clone()).double().cpu()
+    choice = choose_windows(cost, _costs(ctrl), ctrl.config.budget, ctrl.max_seq_len)
+    return torch.tensor(choice, dtype=torch.long)
 
 
 def budget_head_index(ctrl: HeadController) -> torch.Tensor:
@@ -149,7 +172,8 @@ def lost_mass_metrics(controllers: Sequence[HeadController]) -> dict:
 
     * ``lost_mass``: (layers, K) mean over heads of the smoothed lost mass at each candidate;
     * ``lost_mass_chosen_per_layer``: mean over heads of the lost mass at each head's current window;
-    * ``lost_mass_chosen``: their mean over layers.
+    * ``lost_mass_chosen``: their mean over layers;
+    * ``loss_cost`` (``loss_aware`` only): the estimated loss cost table, (layers, heads, K).
     """
     ready = [c for c in controllers if bool(c.lost_mass_ready)]
     if not ready or len(ready) != len(controllers):
@@ -163,8 +187,13 @@ def lost_mass_metrics(controllers: Sequence[HeadController]) -> dict:
             chosen.append(float(lost.gather(1, idx[:, None]).mean()))
         else:
             chosen.append(0.0)  # full windows: nothing is lost
-    return {
+    out = {
         "lost_mass": table,
         "lost_mass_chosen_per_layer": [round(x, 6) for x in chosen],
         "lost_mass_chosen": round(sum(chosen) / len(chosen), 6),
     }
+    if all(bool(getattr(c, "loss_cost_ready", False)) for c in controllers):
+        # loss_aware: the estimated loss cost per head and candidate, (layers, heads, K)
+        out["loss_cost"] = [[[float(f"{x:.4g}") for x in row] for row in c.loss_cost.float().cpu().tolist()]
+                            for c in controllers]
+    return out

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "ControllerConfig", "DIAGNOSTIC_CONTEXTS", "GROUPINGS", "TOPOLOGIES", "SCORINGS", "UPPER_LEVELS", "BUDGET_SCORINGS", "BUDGET_SCOPES",
+    "LAYER_HEAD_SCORINGS",
     "WINDOW_GRANULARITIES",
 ]
 
@@ -41,8 +42,13 @@ DIAGNOSTIC_CONTEXTS = ("executed", "full")
 UPPER_LEVELS = ("merge", "passthrough")
 #: Scorings chosen by a causal-coverage budget instead of the scorers: the
 #: lost-mass knapsack per head (``budgeted``), per AAH group with the parent
-#: clamp (``budgeted_grouped``), and the same window for every head (``uniform``).
-BUDGET_SCORINGS = ("budgeted", "budgeted_grouped", "uniform")
+#: clamp (``budgeted_grouped``), and the same window for every head (``uniform``);
+#: ours for the recall suite: the knapsack over each head's estimated loss cost
+#: (``loss_aware``, :mod:`aah.controller.loss_aware`) and a fixed "a few heads
+#: full, the rest at the smallest window" layout (``full_heads``).
+BUDGET_SCORINGS = ("budgeted", "budgeted_grouped", "uniform", "loss_aware", "full_heads")
+#: Budget scorings that decide per layer and per head only.
+LAYER_HEAD_SCORINGS = ("loss_aware", "full_heads")
 SCORINGS = SCORINGS + BUDGET_SCORINGS
 #: Where the coverage budget holds: in every layer, or summed over the model.
 BUDGET_SCOPES = ("layer", "model")

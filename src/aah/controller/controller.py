@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..windows import candidate_windows
-from . import budgeted
+from . import budgeted, loss_aware
 from .budget import check_budget, check_budget_layout
 from .config import BUDGET_SCORINGS, ControllerConfig
 from .features import (
@@ -169,6 +169,11 @@ class HeadController(nn.Module):
         # Lost attention mass per head and candidate (EMA over control updates), see lost_mass.py.
         self.register_buffer("lost_mass", torch.zeros(h, k))
         self.register_buffer("lost_mass_ready", torch.tensor(False))
+        if config.scoring == "loss_aware":  # only here: other regimes' checkpoints keep their keys
+            # Estimated loss cost per head and candidate (EMA over control steps), see loss_aware.py.
+            self.register_buffer("loss_cost", torch.zeros(h, k))
+            self.register_buffer("loss_cost_ready", torch.tensor(False))
+        self._pending_change: tuple[torch.Tensor, torch.Tensor] | None = None
 
         gen = _generator(config.seed, "scorers", layer_idx)
         self.base_scorer = SeededMLP((_ENRICHED, config.base_hidden, k), gen)
@@ -265,6 +270,8 @@ class HeadController(nn.Module):
         """
         sampled = self.sample_scores(q, k)
         self.record_lost_mass(q, k, sampled=sampled)
+        if self.config.scoring == "loss_aware":
+            self.prepare_loss_cost(q, k, v)
         if self.config.scoring == "budgeted" and self.config.budget_scope == "model":
             self.observe(q, k, v)
             self._mark_step()
@@ -335,6 +342,37 @@ class HeadController(nn.Module):
         else:
             self.lost_mass.copy_(current)
             self.lost_mass_ready.fill_(True)
+
+    @torch.no_grad()
+    def prepare_loss_cost(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Compute each head's output change under every candidate at the sampled queries; the
+        gradient of this step's backward completes the measurement (:meth:`watch_output`)."""
+        windows = [min(max(w, self.min_window), self.max_seq_len) for w in self.candidates]
+        pos = loss_aware.sampled_positions(q.shape[2], self.config.diagnostic_queries, self.candidates[0])
+        self._pending_change = (pos, loss_aware.window_output_change(q, k, v, pos, windows))
+
+    def watch_output(self, y: torch.Tensor) -> None:
+        """Called by the attention layer with its head outputs ``y`` (B, H, T, D): after a control
+        step that prepared a measurement, the gradient reaching ``y`` folds its Fisher cost into
+        the ``loss_cost`` EMA (``loss_aware`` scoring only)."""
+        if self._pending_change is None or not y.requires_grad:
+            return
+        pos, change = self._pending_change
+        self._pending_change = None
+        tokens = y.shape[0] * y.shape[2]
+
+        def fold(grad: torch.Tensor) -> None:
+            with torch.no_grad():
+                g = grad[:, :, pos.to(grad.device)].float() * tokens
+                current = loss_aware.fisher_cost(g, change.to(g.device)).to(self.loss_cost)
+                if bool(self.loss_cost_ready):
+                    alpha = self.config.lost_mass_ema
+                    self.loss_cost.mul_(alpha).add_(current, alpha=1.0 - alpha)
+                else:
+                    self.loss_cost.copy_(current)
+                    self.loss_cost_ready.fill_(True)
+
+        y.register_hook(fold)
 
     @torch.no_grad()
     def commit_budget_index(self, head_index: torch.Tensor) -> Decision:
@@ -468,6 +506,10 @@ class HeadController(nn.Module):
         scoring = self.config.scoring
         if scoring == "uniform":
             return Decision(topology=(), head_index=budgeted.uniform_head_index(self))
+        if scoring == "full_heads":
+            return Decision(topology=(), head_index=budgeted.full_heads_head_index(self))
+        if scoring == "loss_aware":
+            return Decision(topology=(), head_index=budgeted.loss_aware_head_index(self))
         if scoring == "budgeted":
             if self.config.budget_scope == "model":  # decided by the model; keep the current windows
                 return Decision(topology=(), head_index=self.resolution_index.cpu().clone())

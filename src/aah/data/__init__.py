@@ -28,6 +28,7 @@ from .corpora import (
     split_documents,
 )
 from .loader import BatchIterator, TokenDataset, ValidationBlocks, epoch_permutation
+from .recall import RECALL_CORPORA, RecallDataset, RecallSpec
 from .tokenizers import (
     DEFAULT_BPE_VOCAB_SIZE,
     Tokenizer,
@@ -41,6 +42,9 @@ __all__ = [
     "CorpusNotFoundError",
     "Data",
     "Document",
+    "RECALL_CORPORA",
+    "RecallDataset",
+    "RecallSpec",
     "TokenDataset",
     "Tokenizer",
     "TokenizerUnavailableError",
@@ -97,6 +101,7 @@ def build_data(
     val_max_blocks: int | None = None,
     val_corpus: str | None = None,
     verbose: bool = True,
+    recall: RecallSpec | None = None,
 ) -> Data:
     """Train iterator, validation blocks and tokenizer for one corpus.
 
@@ -104,8 +109,18 @@ def build_data(
     rows). The tokenizer (``byte``, ``bpe`` or ``hf:/path``) is trained, for ``bpe``,
     on the train split only. Validation uses the corpus's val split, or, when
     ``val_corpus`` is given, the whole of that corpus (out-of-domain evaluation);
-    ``val_max_blocks`` keeps only the first blocks.
+    ``val_max_blocks`` keeps only the first blocks. A recall corpus
+    (:data:`RECALL_CORPORA`, byte tokenizer only) writes the key-value episodes of
+    ``recall`` (default :class:`RecallSpec`) into the train and validation blocks of its
+    own corpus (an out-of-domain ``val_corpus`` stays plain text).
     """
+    is_recall = corpus in RECALL_CORPORA
+    if is_recall and tokenizer != "byte":
+        raise ValueError(
+            f"the recall corpus {corpus!r} writes its episodes as bytes and needs tokenizer 'byte', "
+            f"got {tokenizer!r}"
+        )
+    spec = (recall or RecallSpec()) if is_recall else None
     root = cache_dir if cache_dir is not None else default_cache_dir()
     train_corpus = load_corpus(corpus, "train", val_fraction)
     if val_corpus is None:
@@ -117,5 +132,11 @@ def build_data(
     )
     train_ds = TokenDataset(encode_corpus(train_corpus, tok, root, verbose=verbose), seq_len)
     val_ds = TokenDataset(encode_corpus(val_split, tok, root, verbose=verbose), seq_len)
+    if spec is not None:
+        train_ds = RecallDataset(train_ds, spec, "train")
+        if val_corpus is None:
+            val_ds = RecallDataset(val_ds, spec, "val")
+    if val_corpus in RECALL_CORPORA and tokenizer == "byte":
+        val_ds = RecallDataset(val_ds, recall or RecallSpec(), "all")
     train = BatchIterator(train_ds, batch_size, seed=seed, rank=rank, world_size=world_size)
     return Data(train, ValidationBlocks(val_ds, val_max_blocks), tok)

@@ -214,6 +214,18 @@ register_corpus(
 register_corpus(
     "bible", _load_bible, "King James Bible, one document per book (" + BIBLE_INSTALL + ")"
 )
+# The recall corpora hold the same documents; aah.data.recall writes the key-value episodes
+# into their blocks (docs/data.md, "Recall corpora").
+register_corpus(
+    "shakespeare_recall",
+    _load_shakespeare,
+    "shakespeare with key-value recall episodes in its blocks (byte tokenizer; data.recall_* knobs)",
+)
+register_corpus(
+    "bible_recall",
+    _load_bible,
+    "bible with key-value recall episodes in its blocks (byte tokenizer; data.recall_* knobs)",
+)
 
 
 # ---------------------------------------------------------------------------

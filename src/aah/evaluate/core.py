@@ -30,6 +30,7 @@ from ..train.setup import (
     resolve_device,
     window_buckets,
 )
+from .recall import is_recall, recall_metrics
 
 __all__ = ["validation_loss", "evaluate_run", "eval_filename"]
 
@@ -133,6 +134,13 @@ def evaluate_run(
         model, data.val, batch_size=cfg.eval.batch_size or cfg.train.batch_size, max_batches=batches,
         device=dev, autocast=lambda: autocast_context(cfg.train.precision, dev), timer=timer,
     )
+    recall = None
+    if is_recall(data.val):  # text-only loss and recall accuracy (aah.evaluate.recall)
+        recall = recall_metrics(
+            model, data.val, batch_size=cfg.eval.batch_size or cfg.train.batch_size, max_batches=batches,
+            device=dev, autocast=lambda: autocast_context(cfg.train.precision, dev),
+        )
+        recall.pop("val_loss")
     windows = model.aah_windows(seq_len)
     cov = model.coverage(seq_len)
     backends = model.backends_used()
@@ -163,6 +171,8 @@ def evaluate_run(
         "val_tokens": _evaluated_blocks(len(data.val), batches, cfg.eval.batch_size or cfg.train.batch_size)
         * seq_len,
     }
+    if recall is not None:
+        result.update(recall)
     if write:
         path = run_dir / eval_filename(corpus, cfg.data.corpus)
         write_json_atomic(path, result)
@@ -178,6 +188,21 @@ def _evaluated_blocks(available: int, max_batches: int | None, batch_size: int) 
     return available if max_batches is None else min(available, max_batches * batch_size)
 
 
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1%}"
+
+
+def recall_summary(result: dict) -> str:
+    """One line: text-only loss and recall accuracy overall and per distance bucket."""
+    by = result["recall_accuracy_by_bucket"]
+    n = result["recall_queries_by_bucket"]
+    parts = [f"{name} {_pct(by[name])} (n={n[name]})" for name in by]
+    return (
+        f"text loss {result['text_loss']:.4f}  recall {_pct(result['recall_accuracy'])} "
+        f"(n={result['recall_queries']})  by distance: " + "  ".join(parts)
+    )
+
+
 def print_summary(result: dict, file=sys.stdout) -> None:
     print(
         f"step {result['checkpoint_step']}  corpus {result['corpus']}  backend {result['backend']}  "
@@ -187,6 +212,8 @@ def print_summary(result: dict, file=sys.stdout) -> None:
         f"inference {_rate(result['inference_tokens_per_s'])}",
         file=file,
     )
+    if "recall_accuracy" in result:
+        print(recall_summary(result), file=file)
     buckets = "  ".join(f"W={k}: {v:.1%}" for k, v in result["bucket_fractions"].items())
     print(f"window buckets  {buckets}", file=file)
     for layer, row in enumerate(result["windows"]):

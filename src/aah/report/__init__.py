@@ -18,7 +18,8 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from .figures import FigureResult, bucket_matrix, write_figures
+from .figures import FigureResult, _color, bucket_matrix, write_figures
+from .recall import plot_recall_vs_distance, recall_table
 from .runs import Run, display_name, find_run_dirs, group_by_regime, load_run, load_runs
 from .stats import paired_difference, t_quantile_975
 from .tables import Table, equal_coverage_table, inference_table, screening_table, training_table
@@ -35,6 +36,7 @@ __all__ = [
     "load_runs",
     "main_table_text",
     "paired_difference",
+    "recall_table",
     "screening_table",
     "t_quantile_975",
     "training_table",
@@ -99,9 +101,15 @@ def write_report(run_dirs: list[Path], out_dir: Path, include_unfinished: bool =
     policies = equal_coverage_table(runs)
     if policies is not None:
         tables.append(("policies", policies))
+    recall = recall_table(runs)
+    if recall is not None:
+        tables.append(("recall", recall))
     for stem, table in tables:
         table.write_csv(out_dir / f"{stem}.csv")
     figures = write_figures(groups, out_dir)
+    if recall is not None:
+        colors = {regime: _color(i) for i, regime in enumerate(groups)}
+        figures.insert(0, plot_recall_vs_distance(groups, colors, out_dir / "recall_vs_distance.png"))
     bucket_lines = _write_bucket_csv(groups, out_dir / "window_buckets.csv")
     text = _render(runs, every_run, tables, figures, bucket_lines, notes + left_out + _run_notes(runs))
     path = out_dir / "report.md"
@@ -209,7 +217,8 @@ def _render(runs: Sequence[Run], every_run: Sequence[Run], tables: list[tuple[st
     ]
     headings = {"training": "Training (paper Table 4)", "inference": "Inference (paper Table 6)",
                 "screening": "Screening ablation (paper Table 5)",
-                "policies": "Window policies at equal coverage"}
+                "policies": "Window policies at equal coverage",
+                "recall": "Recall of far context (recall corpus)"}
     for stem, table in tables:
         lines += [f"## {headings[stem]}", "", table.to_markdown(), "",
                   f"CSV: [{stem}.csv]({stem}.csv)", ""]

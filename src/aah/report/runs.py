@@ -67,7 +67,7 @@ _DISPLAY_NAMES = {
     "full_adaptive_shuffle_post_select": "Full adaptive shuffle-post-select",
 }
 # Regimes whose windows follow aah.budget: one report group per (regime, budget).
-BUDGET_REGIMES = ("budgeted", "budgeted_grouped", "uniform_window")
+BUDGET_REGIMES = ("budgeted", "budgeted_grouped", "uniform_window", "loss_aware", "full_heads")
 _POLICY_SEP = "@"
 # Full attention by definition (paper section 7.1), used when a value is not logged.
 _FULL_ATTENTION_DEFAULTS = {"acr": 1.0, "causal_coverage": 1.0, "levels_used": 0.0}

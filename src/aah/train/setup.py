@@ -66,6 +66,7 @@ def _build(cfg: RunConfig, val_corpus: str | None, rank: int, world_size: int, v
         bpe_vocab_size=d.bpe_vocab_size,
         val_corpus=val_corpus,
         verbose=verbose,
+        recall=d.recall_spec(),
     )
 
 

@@ -30,6 +30,7 @@ from ..backends.auto import auto_choices, auto_label
 from ..config import RunConfig, config_to_dict, save_config
 from ..controller.budgeted import lost_mass_metrics
 from ..evaluate.core import validation_loss
+from ..evaluate.recall import is_recall, recall_metrics
 from ..model import GPT
 from .checkpoint import (
     CheckpointError,
@@ -398,6 +399,9 @@ class _Training:
 
     def _periodic_eval(self) -> None:
         c = self.cfg
+        if is_recall(self.data.val):
+            self._recall_eval()
+            return
         loss = validation_loss(
             self.model, self.data.val, batch_size=c.eval.batch_size or c.train.batch_size,
             max_batches=c.eval.batches, device=self.device, autocast=self.autocast, info=self.info,
@@ -405,6 +409,20 @@ class _Training:
         if self.metrics is not None:
             self.metrics.write({"kind": "eval", "step": self.step, "val_loss": loss,
                                 "val_ppl": math.exp(min(loss, 50.0))})
+
+    def _recall_eval(self) -> None:
+        """Validation on a recall corpus: one pass gives the loss, text-only loss and recall accuracy."""
+        c = self.cfg
+        m = recall_metrics(
+            self.model, self.data.val, batch_size=c.eval.batch_size or c.train.batch_size,
+            max_batches=c.eval.batches, device=self.device, autocast=self.autocast, info=self.info,
+        )
+        if self.metrics is not None:
+            self.metrics.write({
+                "kind": "eval", "step": self.step, "val_loss": m["val_loss"],
+                "val_ppl": math.exp(min(m["val_loss"], 50.0)), "text_loss": m["text_loss"],
+                "recall_accuracy": m["recall_accuracy"], "recall_accuracy_by_bucket": m["recall_accuracy_by_bucket"],
+            })
 
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint(self) -> None:

@@ -1,0 +1,211 @@
+"""The recall corpus (aah.data.recall), its metrics (aah.evaluate.recall) and their config knobs."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from aah.config import ConfigError, load_config
+from aah.data.loader import TokenDataset, ValidationBlocks
+from aah.data.recall import MARKUP, TEXT, VALUE, RecallDataset, RecallSpec, episode_length
+from aah.evaluate.recall import recall_metrics
+
+T = 256
+
+
+def _base(num_blocks: int = 40, seq_len: int = T) -> TokenDataset:
+    # Plain "text": uppercase letters and spaces only, so every episode byte is recognisable.
+    rng = np.random.default_rng(123)
+    alphabet = np.frombuffer(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ ", dtype=np.uint8)
+    return TokenDataset(alphabet[rng.integers(0, len(alphabet), num_blocks * seq_len + 1)], seq_len)
+
+
+def _parse(block: bytes) -> tuple[dict, list]:
+    """Definitions {key: (value start, value)} and queries [(key, value start, value)] of a block."""
+    defs = {m.group(1): (m.start(2), m.group(2)) for m in re.finditer(rb"#k(\d\d)=([a-z]+);", block)}
+    queries = [(m.group(1), m.start(2), m.group(2)) for m in re.finditer(rb"\?k(\d\d)=([a-z]+);", block)]
+    return defs, queries
+
+
+SPEC = RecallSpec(fraction=0.12, pairs=4, value_len=3, seed=7)
+
+
+def test_episodes_are_well_formed_and_annotated_as_parsed():
+    ds = RecallDataset(_base(), SPEC, "train")
+    blocks = list(range(len(ds)))
+    windows = ds.window(blocks)
+    kind, distance, query = ds.annotations(blocks)
+    seen_far = 0
+    for row, w in enumerate(windows):
+        raw = bytes(w.astype(np.uint8))
+        defs, queries = _parse(raw)
+        if not queries:
+            assert not defs and (kind[row] == TEXT).all()
+            continue
+        assert len(defs) == len(queries) == SPEC.pairs  # distinct keys, each defined and queried once
+        expect_value = np.zeros(T + 1, dtype=bool)
+        expect_dist = np.full(T + 1, -1)
+        for key, start, value in queries:
+            def_start, def_value = defs[key]
+            assert value == def_value and def_start < start
+            expect_value[start : start + len(value)] = True
+            expect_dist[start : start + len(value)] = start - def_start
+            seen_far += (start - def_start) * 2 >= T
+        # targets are tokens 1..T of the block
+        np.testing.assert_array_equal(kind[row] == VALUE, expect_value[1:])
+        np.testing.assert_array_equal(distance[row], expect_dist[1:])
+        assert set(np.unique(query[row][expect_value[1:]])) == set(range(SPEC.pairs))
+        episode = np.zeros(T + 1, dtype=bool)
+        for m in re.finditer(rb"[#?]k\d\d=[a-z]+;", raw):
+            episode[m.start() : m.end()] = True
+        np.testing.assert_array_equal(kind[row] != TEXT, episode[1:])
+        assert ((kind[row] == MARKUP) == (episode[1:] & ~expect_value[1:])).all()
+    assert seen_far > 0  # some queries look back more than T/2
+
+
+def test_text_bytes_are_the_plain_block_in_order():
+    base = _base()
+    ds = RecallDataset(base, SPEC, "train")
+    blocks = np.arange(len(ds))
+    plain, mixed = base.window(blocks), ds.window(blocks)
+    for row in range(len(blocks)):
+        raw = bytes(mixed[row].astype(np.uint8))
+        text = re.sub(rb"[#?]k\d\d=[a-z]+;", b"", raw)
+        assert text == bytes(plain[row].astype(np.uint8))[: len(text)]
+
+
+def test_deterministic_from_the_recall_seed_only():
+    base = _base()
+    a = RecallDataset(base, SPEC, "train").window(range(10))
+    b = RecallDataset(base, SPEC, "train").window(range(10))
+    np.testing.assert_array_equal(a, b)
+    other_seed = RecallDataset(base, RecallSpec(fraction=0.12, pairs=4, seed=8), "train").window(range(10))
+    assert not np.array_equal(a, other_seed)
+    val = RecallDataset(base, SPEC, "val").window(range(10))
+    assert not np.array_equal(a, val)
+    # a block's content does not depend on which other blocks are asked for with it
+    np.testing.assert_array_equal(RecallDataset(base, SPEC, "train").window([3]), a[3:4])
+
+
+def test_fraction_of_tokens_in_episodes():
+    spec = RecallSpec(fraction=0.06, pairs=4, value_len=3, seed=1)
+    ds = RecallDataset(_base(num_blocks=400), spec, "train")
+    kind, _, _ = ds.annotations(range(len(ds)))
+    share = float((kind != TEXT).mean())
+    assert abs(share - spec.fraction) < 0.015
+    assert ds.spec.block_share(T) == pytest.approx(0.06 * T / (2 * 4 * episode_length(3)))
+
+
+def test_log_uniform_distances_are_shorter_than_uniform():
+    base = _base(num_blocks=200)
+    dists = {}
+    for name in ("uniform", "log_uniform"):
+        ds = RecallDataset(base, RecallSpec(fraction=0.12, pairs=4, distance=name), "train")
+        _, d, _ = ds.annotations(range(len(ds)))
+        dists[name] = np.median(d[d >= 0])
+    assert dists["log_uniform"] < 0.6 * dists["uniform"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        (RecallSpec(pairs=0), "data.recall_pairs"),
+        (RecallSpec(pairs=20, fraction=0.1), "data.recall_pairs"),
+        (RecallSpec(value_len=0), "data.recall_value_len"),
+        (RecallSpec(distance="far"), "data.recall_distance"),
+        (RecallSpec(fraction=0.5, pairs=4), "data.recall_fraction"),
+        (RecallSpec(fraction=0.0, pairs=4), "data.recall_fraction"),
+    ],
+)
+def test_spec_errors_name_the_field(spec, field):
+    with pytest.raises(ValueError, match=re.escape(field)):
+        spec.validate(T)
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("data.recall_distance=far", "data.recall_distance"),
+        ("data.recall_pairs=200", "data.recall_pairs"),
+        ("data.recall_fraction=0.9", "data.recall_fraction"),
+        ("data.tokenizer=bpe", "data.tokenizer"),
+    ],
+)
+def test_config_rejects_bad_recall_knobs(override, field):
+    with pytest.raises(ConfigError, match=re.escape(field)):
+        load_config(None, ["data.corpus=shakespeare_recall", override])
+
+
+def test_config_recall_spec_round_trip():
+    cfg = load_config(None, ["data.corpus=shakespeare_recall", "data.recall_pairs=6", "data.recall_seed=3"])
+    spec = cfg.data.recall_spec()
+    assert (spec.pairs, spec.seed, spec.fraction) == (6, 3, 0.1)
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+class _Lookup(nn.Module):
+    """Predicts from a table of the right next tokens; ``wrong(kind, distance)`` marks targets
+    where it predicts a wrong byte instead (with a confident one-hot either way)."""
+
+    def __init__(self, ds: RecallDataset, blocks, wrong):
+        super().__init__()
+        self.rows = {}
+        for b in blocks:
+            x, y = ds.batch([b])
+            kind, distance, _ = ds.annotations([b])
+            bad = torch.from_numpy(wrong(kind[0], distance[0]))
+            pred = torch.where(bad, (y[0] + 1) % 256, y[0])
+            self.rows[bytes(x[0].to(torch.uint8).numpy())] = pred
+
+    def forward(self, x):
+        preds = torch.stack([self.rows[bytes(r.to(torch.uint8).numpy())] for r in x])
+        return torch.nn.functional.one_hot(preds, 256).float() * 30.0, None
+
+
+def _metrics(ds, wrong):
+    val = ValidationBlocks(ds, max_blocks=12)
+    model = _Lookup(ds, range(12), wrong)
+    return recall_metrics(model, val, batch_size=5, max_batches=None, device=torch.device("cpu"))
+
+
+def test_perfect_predictions_give_full_recall_and_zero_loss():
+    ds = RecallDataset(_base(), RecallSpec(fraction=0.12, pairs=4), "val")
+    m = _metrics(ds, lambda kind, d: np.zeros_like(kind, dtype=bool))
+    assert m["recall_accuracy"] == 1.0 and m["recall_byte_accuracy"] == 1.0
+    assert m["text_loss"] < 1e-6 and m["val_loss"] < 1e-6
+    kind = ds.annotations(range(12))[0]
+    assert m["recall_queries"] == int((kind == VALUE).sum()) // 3 > 0
+
+
+def test_far_errors_count_only_in_the_far_bucket_and_text_loss_ignores_episodes():
+    ds = RecallDataset(_base(), RecallSpec(fraction=0.12, pairs=4), "val")
+    # wrong on the LAST value byte of far queries only, and on every markup byte
+    def wrong(kind, distance):
+        last = np.zeros_like(kind, dtype=bool)
+        value = kind == VALUE
+        last[:-1] = value[:-1] & ~value[1:]
+        last[-1] = value[-1]
+        return (last & (distance * 2 >= T)) | (kind == MARKUP)
+
+    m = _metrics(ds, wrong)
+    kinds, dists = ds.annotations(range(12))[0], ds.annotations(range(12))[1]
+    value_d = dists[kinds == VALUE]
+    n_far = int((value_d * 2 >= T).sum()) // 3
+    n_near = int(((value_d * 4 < T)).sum()) // 3
+    assert m["recall_accuracy_by_bucket"]["gt_half"] == 0.0
+    assert m["recall_queries_by_bucket"]["gt_half"] == n_far
+    assert m["recall_queries_by_bucket"]["lt_quarter"] == n_near
+    if n_near:
+        assert m["recall_accuracy_by_bucket"]["lt_quarter"] == 1.0
+    total = m["recall_queries"]
+    assert m["recall_accuracy"] == pytest.approx((total - n_far) / total)
+    assert m["text_loss"] < 1e-6 < m["val_loss"]  # markup errors raise the loss, not the text loss
+    by = m["recall_by_distance"]
+    assert sum(b["queries"] for b in by) == total
+    assert all(b["accuracy"] in (0.0, None) for b in by if b["lo"] * 2 >= T)
