@@ -17,7 +17,7 @@ from .attention import DTYPES, MIXES, bench_attention, format_table
 __all__ = ["add_commands"]
 
 # Further ``aah bench`` sub-commands: modules with ``add_command(bench_subparsers)``.
-_EXTRA_COMMANDS = ("aah.bench.train", "aah.bench.grid", "aah.bench.decode")
+_EXTRA_COMMANDS = ("aah.bench.train", "aah.bench.grid", "aah.bench.decode", "aah.vllm.bench")
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:

@@ -1,0 +1,249 @@
+"""vLLM's CPU attention backend, with each head's window and the windows file's sink tokens.
+
+:func:`aah.vllm.register` puts :class:`AAHCPUAttentionBackend` in place of vLLM's ``CPU_ATTN``
+backend. Without a windows file it runs vLLM's own attention unchanged. With one, every layer
+writes its keys and values into the paged cache as vLLM does, then runs
+:func:`aah.vllm.paged.windowed_attention`: per window class (the query heads that read one KV
+head with one window), vLLM's CPU kernel with that window as its sliding window for the queries
+that need no sink outside their window, and the exact sink-and-window softmax of
+:mod:`aah.vllm.paged` for the others.
+
+Set-ups it cannot run exactly are refused when the engine starts, with the reason: another
+platform than CPU, a quantised KV cache, a page layout other than the one checked at start-up,
+ALiBi, logit soft-capping, learned attention sinks, non-decoder attention and KV sharing
+across layers.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+from vllm import _custom_ops as ops
+from vllm import envs
+from vllm.config import get_current_vllm_config
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadataBuilder,
+)
+
+from ..hf.windows_file import check_windows_for, load_windows
+from .paged import Batch, PagedKV, windowed_attention
+from .plan import LayerPlan, plan_layer, resolve_windows_path
+
+__all__ = ["AAHCPUAttentionBackend", "AAHCPUAttentionImpl", "AAHCPUAttentionMetadataBuilder", "served_windows"]
+
+
+class ServedWindows:
+    """The windows file the engine serves: the (layers, query heads) windows and the sinks."""
+
+    def __init__(self, path: Path, windows: torch.Tensor, sink_tokens: int) -> None:
+        self.path, self.windows, self.sink_tokens = path, windows, sink_tokens
+
+
+@functools.lru_cache(maxsize=1)
+def _load(path: str, config_key: int) -> ServedWindows:
+    del config_key  # part of the cache key only
+    hf_config = get_current_vllm_config().model_config.hf_config
+    windows, meta = load_windows(path)
+    try:
+        check_windows_for(hf_config, windows, meta, path)
+    except ValueError as exc:
+        raise ValueError(f"aah.vllm: {exc}") from None
+    sinks = meta.get("sink_tokens")
+    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+        raise ValueError(f"aah.vllm: {path} has sink_tokens={sinks!r}; expected an int >= 0")
+    return ServedWindows(Path(path), windows, sinks)
+
+
+def served_windows() -> ServedWindows | None:
+    """The windows of the model being served (``None``: serve it unchanged)."""
+    model_config = get_current_vllm_config().model_config
+    if model_config is None:
+        return None
+    model_dir = model_config.model if Path(str(model_config.model)).is_dir() else None
+    path = resolve_windows_path(model_dir, model_config.hf_config)
+    if path is None:
+        return None
+    return _load(str(path), id(model_config.hf_config))
+
+
+@functools.lru_cache(maxsize=8)
+def keys_transposed(isa: str, block_size: int, head_size: int, dtype: torch.dtype) -> bool:
+    """Check how vLLM's cache writer lays out keys for ``isa``: ``True`` when a page stores
+    ``K^T`` per KV head, ``False`` when it stores ``K``; refuse any other layout."""
+    g = torch.Generator().manual_seed(0)
+    tokens = 2 * block_size
+    cache = torch.zeros(3, 2, block_size, 2 * head_size, dtype=dtype)
+    view = cache.view(3, 2, 2 * block_size, head_size)
+    key_cache, value_cache = view.chunk(2, dim=2)
+    key = torch.randn(tokens, 2, head_size, generator=g).to(dtype)
+    value = torch.randn(tokens, 2, head_size, generator=g).to(dtype)
+    slots = torch.arange(block_size, block_size + tokens)  # pages 1 and 2
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa)
+    blocks, offsets = slots // block_size, slots % block_size
+    for transposed in (True, False):
+        paged = PagedKV(key_cache, value_cache, transposed)
+        ok = all(
+            torch.equal(paged.gather(h, blocks, offsets)[0], key[:, h])
+            and torch.equal(paged.gather(h, blocks, offsets)[1], value[:, h])
+            for h in range(2)
+        )
+        if ok:
+            return transposed
+    raise ValueError(
+        f"aah.vllm: vLLM's CPU attention stores keys for isa={isa!r} (dtype {dtype}) in a page layout "
+        "aah.vllm does not read; serve in float32 (isa 'vec') or without AAH_WINDOWS"
+    )
+
+
+class AAHCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
+    """vLLM's CPU metadata builder; with windows, it checks the cache layout and dtype at start-up."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        if served_windows() is None:
+            return
+        if self.kv_cache_dtype not in ("auto", None):
+            raise ValueError(
+                f"aah.vllm: kv_cache_dtype={self.kv_cache_dtype!r} is not supported with AAH windows; "
+                "use kv_cache_dtype='auto'"
+            )
+        keys_transposed(self.isa, self.block_size, self.head_dim, self.dtype)
+
+
+class AAHCPUAttentionImpl(CPUAttentionBackendImpl):
+    """vLLM's CPU attention, with the windows file's windows and sinks when one is served."""
+
+    def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
+                 kv_cache_dtype, logits_soft_cap=None, attn_type=AttentionType.DECODER,
+                 kv_sharing_target_layer_name=None, sinks=None) -> None:
+        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window,
+                         kv_cache_dtype, logits_soft_cap, attn_type, kv_sharing_target_layer_name, sinks)
+        self.served = served_windows()
+        self._plan: LayerPlan | None = None
+        if self.served is None:
+            return
+        refusals = {
+            "attention type": (attn_type != AttentionType.DECODER, f"{attn_type} (only decoder attention)"),
+            "ALiBi slopes": (alibi_slopes is not None, "set"),
+            "logit soft-capping": (bool(logits_soft_cap), f"{logits_soft_cap}"),
+            "learned attention sinks": (sinks is not None, "set"),
+            "KV sharing across layers": (kv_sharing_target_layer_name is not None, f"{kv_sharing_target_layer_name}"),
+            "KV cache dtype": (self.is_fp8_kv_cache, f"{kv_cache_dtype} (use 'auto')"),
+        }
+        for name, (bad, what) in refusals.items():
+            if bad:
+                raise ValueError(f"aah.vllm: AAH windows ({self.served.path}) cannot run with {name}: {what}")
+        from vllm.distributed import (
+            get_tensor_model_parallel_rank,
+            get_tensor_model_parallel_world_size,
+        )
+
+        hf_config = get_current_vllm_config().model_config.hf_config
+        self._global_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+        self._tp = (get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank())
+
+    def _layer_plan(self, layer) -> LayerPlan:
+        if self._plan is None:
+            from vllm.model_executor.models.utils import extract_layer_index
+
+            index = extract_layer_index(layer.layer_name)
+            if not 0 <= index < self.served.windows.shape[0]:
+                raise ValueError(f"aah.vllm: layer {layer.layer_name} has index {index}; the windows file has "
+                                 f"{self.served.windows.shape[0]} layers")
+            plan = plan_layer(
+                self.served.windows[index], num_kv_heads=self._global_kv_heads, sink_tokens=self.served.sink_tokens,
+                layer_window=self.sliding_window if self.sliding_window > 0 else None,
+                tp_size=self._tp[0], rank=self._tp[1],
+            )
+            if len(plan.windows) != self.num_heads:
+                raise ValueError(f"aah.vllm: layer {layer.layer_name} runs {self.num_heads} query heads on this rank, "
+                                 f"the windows file gives it {len(plan.windows)}")
+            self._plan = plan
+        return self._plan
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        if self.served is None or attn_metadata is None:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output,
+                                   output_scale, output_block_scale)
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("aah.vllm: fused output quantization is not supported")
+        if attn_metadata.causal is not True or attn_metadata.dynamic_causal is not None:
+            raise NotImplementedError("aah.vllm: AAH windows run causal decoder attention only")
+        plan = self._layer_plan(layer)
+        num_blocks, num_kv_heads, block_size, _ = kv_cache.size()
+        key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, -1).chunk(2, dim=2)
+        paged = PagedKV(key_cache, value_cache, keys_transposed(layer.isa, block_size, self.head_size, key_cache.dtype))
+        batch = _shared_batch(attn_metadata)
+        n = attn_metadata.num_actual_tokens
+        out = output[:n].view(n, self.num_heads, self.head_size)
+        q = query[:n].view(n, self.num_heads, self.head_size)
+        windowed_attention(q, out, paged, batch, plan, self.scale, kernel=self._kernel(layer, key_cache, value_cache))
+        return output
+
+    def _kernel(self, layer, key_cache, value_cache):
+        def kernel(q, kv_head, starts, seq_lens, table, window):
+            kv_heads = self.num_kv_heads if kv_head is None else 1
+            key = (id(starts), q.shape[1], kv_heads, window)
+            metadata = _METADATA.get(key)
+            if metadata is None:
+                metadata = _scheduler_metadata(q.shape[1], kv_heads, self.head_size, q.dtype, starts, seq_lens,
+                                               window, layer.isa, self.kv_cache_dtype)
+                _METADATA[key] = metadata
+            out = torch.empty_like(q)
+            heads = slice(None) if kv_head is None else slice(kv_head, kv_head + 1)
+            ops.cpu_attention_with_kv_cache(
+                query=q, key_cache=key_cache[:, heads], value_cache=value_cache[:, heads],
+                output=out, query_start_loc=starts, seq_lens=seq_lens, scale=self.scale, causal=True,
+                alibi_slopes=None, sliding_window=window, block_table=table, softcap=0,
+                scheduler_metadata=metadata, s_aux=None, k_scale=layer._k_scale_float,
+                v_scale=layer._v_scale_float, kv_cache_dtype=self.kv_cache_dtype,
+            )
+            return out
+
+        return kernel
+
+
+_BATCH_CACHE: dict = {}
+#: The kernel's scheduler metadata of this step, by (query starts, heads, KV heads, window);
+#: the starts tensors live in the step's Batch, so their ids are stable until it is replaced.
+_METADATA: dict = {}
+
+
+def _shared_batch(attn_metadata) -> Batch:
+    """One :class:`Batch` per step's metadata, shared by the layers (they get the same object;
+    the cache holds it, so its id is not reused while it is cached)."""
+    key = id(attn_metadata)
+    hit = _BATCH_CACHE.get(key)
+    if hit is not None and hit[0] is attn_metadata:
+        return hit[1]
+    batch = Batch.from_metadata(attn_metadata.query_start_loc, attn_metadata.seq_lens, attn_metadata.block_table)
+    _BATCH_CACHE.clear()
+    _METADATA.clear()
+    _BATCH_CACHE[key] = (attn_metadata, batch)
+    return batch
+
+
+def _scheduler_metadata(heads, kv_heads, head_size, dtype, starts, seq_lens, window, isa, kv_cache_dtype):
+    return ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=len(seq_lens), num_heads=heads, num_kv_heads=kv_heads, head_dim=head_size, seq_lens=seq_lens,
+        dtype=dtype, query_start_loc=starts, causal=True, sliding_window_size=window, isa=isa,
+        enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, kv_cache_dtype=kv_cache_dtype,
+    )
+
+
+class AAHCPUAttentionBackend(CPUAttentionBackend):
+    """``CPU_ATTN`` with AAH windows (see the module docstring)."""
+
+    @staticmethod
+    def get_impl_cls() -> type[AAHCPUAttentionImpl]:
+        return AAHCPUAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[AAHCPUAttentionMetadataBuilder]:
+        return AAHCPUAttentionMetadataBuilder

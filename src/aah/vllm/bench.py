@@ -1,0 +1,173 @@
+"""``aah bench vllm``: vanilla vLLM and vLLM with AAH windows, side by side, on one model.
+
+Both engines run in the vLLM environment (``make vllm-env``), one after the other, with the same
+engine arguments (float32, vLLM's defaults otherwise, prefix caching on), on random token prompts
+of ``--seq-len`` tokens:
+
+* prefill: ``--rounds`` fresh prompts, one at a time, each generating one token;
+  ``prefill_tok_s`` is prompt tokens over wall time (median over the rounds);
+* decode: ``--decode-batch`` fresh prompts are prefilled (one token each), then the same
+  prompts generate ``--new-tokens`` tokens (their prefill is a prefix-cache hit), ``--rounds``
+  times; ``decode_tok_s`` is the generated tokens over the engine's time from the first to the
+  last generated token (median over the rounds).
+
+JSON keys: ``config``; ``vanilla`` and ``aah``, each with ``prefill_tok_s``, ``decode_tok_s``,
+``prefill_s`` and ``decode_s`` (every round) and ``startup_s``; top-level ``prefill_speedup``
+and ``decode_speedup`` (``aah`` over ``vanilla``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CLIError
+
+__all__ = ["add_command", "main", "run", "vllm_python"]
+
+
+def vllm_python(explicit: str | None = None) -> Path:
+    """The vLLM environment's interpreter: ``--vllm-python``, ``$AAH_VLLM_PYTHON`` or ``.venv-vllm``."""
+    path = explicit or os.environ.get("AAH_VLLM_PYTHON") or ".venv-vllm/bin/python"
+    path = Path(path)
+    if not path.exists():
+        raise CLIError(f"no vLLM environment at {path}: build it with `make vllm-env` or pass --vllm-python")
+    return path
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", help="model folder (safetensors and config.json)")
+    p.add_argument("--windows", required=True, help="windows file made by `aah hf calibrate`")
+    p.add_argument("--seq-len", type=int, default=4096, help="prompt tokens (default 4096)")
+    p.add_argument("--new-tokens", type=int, default=32, help="generated tokens per decode round (default 32)")
+    p.add_argument("--decode-batch", type=int, default=4, help="prompts decoded together (default 4)")
+    p.add_argument("--rounds", type=int, default=3, help="timed rounds of each kind (default 3)")
+    p.add_argument("--kv-cache-gib", type=int, default=4, help="KV cache space of each engine in GiB (default 4)")
+    p.add_argument("--vllm-python", default=None, help="interpreter of the vLLM environment (default .venv-vllm)")
+    p.add_argument("--json", default=None, help="write the results here as JSON")
+
+
+def add_command(bench_sub: argparse._SubParsersAction) -> None:
+    """Add ``vllm`` to the sub-commands of ``aah bench``."""
+    p = bench_sub.add_parser("vllm", help="vanilla vLLM against vLLM with AAH windows (prefill and decode)")
+    _add_arguments(p)
+    p.set_defaults(func=_cli)
+
+
+def _check(args: argparse.Namespace) -> None:
+    for name in ("seq_len", "new_tokens", "decode_batch", "rounds", "kv_cache_gib"):
+        if getattr(args, name) < 1:
+            raise CLIError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not Path(args.model, "config.json").is_file():
+        raise CLIError(f"{args.model} is not a model folder (no config.json)")
+    if not Path(args.windows).is_file():
+        raise CLIError(f"windows file not found: {args.windows}")
+
+
+def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(count)]
+
+
+def _engine_rounds(args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
+    rounds = [{"prompts": _prompts(1, 64, vocab, 0), "max_tokens": 2}]  # warm-up
+    for r in range(args.rounds):
+        rounds.append({"prompts": _prompts(1, args.seq_len, vocab, 100 + r), "max_tokens": 1})
+    for r in range(args.rounds):
+        prompts = _prompts(args.decode_batch, args.seq_len, vocab, 200 + r)
+        rounds.append({"prompts": prompts, "max_tokens": 1})
+        rounds.append({"prompts": prompts, "max_tokens": args.new_tokens})
+    return rounds
+
+
+def _summary(args: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any]:
+    seconds = result["seconds"]
+    prefill_s = seconds[1 : 1 + args.rounds]
+    decode_s = []
+    for r in range(args.rounds):
+        requests = result["rounds"][1 + args.rounds + 2 * r + 1]
+        if all("first_token_ts" in q for q in requests):
+            decode_s.append(max(q["last_token_ts"] for q in requests) - min(q["first_token_ts"] for q in requests))
+        else:
+            decode_s.append(seconds[1 + args.rounds + 2 * r + 1])
+    steps = args.decode_batch * (args.new_tokens - 1)
+    return {
+        "prefill_tok_s": args.seq_len / statistics.median(prefill_s),
+        "decode_tok_s": steps / statistics.median(decode_s) if steps else None,
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "startup_s": result["startup_s"],
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run both engines and return the results (see the module docstring for the keys)."""
+    _check(args)
+    python = vllm_python(args.vllm_python)
+    config = json.loads(Path(args.model, "config.json").read_text())
+    vocab = int(config["vocab_size"])
+    max_len = args.seq_len + args.new_tokens + 16
+    engine_args = {"max_model_len": max_len, "enable_prefix_caching": True, "disable_log_stats": False}
+    rounds = _engine_rounds(args, vocab)
+    engines = [
+        {"name": "vanilla", "windows": None, "engine_args": engine_args, "rounds": rounds, "kv_cache_gib": args.kv_cache_gib},
+        {"name": "aah", "windows": str(Path(args.windows).resolve()), "engine_args": engine_args, "rounds": rounds,
+         "kv_cache_gib": args.kv_cache_gib},
+    ]
+    with tempfile.TemporaryDirectory() as tmp:
+        spec, out = Path(tmp, "spec.json"), Path(tmp, "out.json")
+        spec.write_text(json.dumps({"model": str(Path(args.model).resolve()), "engines": engines}))
+        env = {k: v for k, v in os.environ.items() if k != "AAH_WINDOWS"}
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gib)
+        done = subprocess.run([str(python), "-m", "aah.vllm.runner", str(spec), str(out)], env=env,
+                              stdout=subprocess.DEVNULL)  # vLLM's log goes to stderr
+        if done.returncode:
+            raise CLIError(f"the vLLM run failed with exit status {done.returncode} (its log is above)")
+        results = json.loads(out.read_text())
+    report: dict[str, Any] = {
+        "config": {"model": str(args.model), "windows": str(args.windows), "seq_len": args.seq_len,
+                   "new_tokens": args.new_tokens, "decode_batch": args.decode_batch, "rounds": args.rounds,
+                   "dtype": "float32"},
+    }
+    for name in ("vanilla", "aah"):
+        report[name] = _summary(args, results[name])
+    report["prefill_speedup"] = report["aah"]["prefill_tok_s"] / report["vanilla"]["prefill_tok_s"]
+    if report["aah"]["decode_tok_s"] and report["vanilla"]["decode_tok_s"]:
+        report["decode_speedup"] = report["aah"]["decode_tok_s"] / report["vanilla"]["decode_tok_s"]
+    else:
+        report["decode_speedup"] = None
+    return report
+
+
+def _cli(args: argparse.Namespace) -> int:
+    report = run(args)
+    text = json.dumps(report, indent=2)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m aah.vllm.bench MODEL --windows FILE ...`` (the same as ``aah bench vllm``)."""
+    parser = argparse.ArgumentParser(prog="aah bench vllm", description=__doc__.splitlines()[0])
+    _add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return _cli(args)
+    except CLIError as exc:
+        print(f"aah bench vllm: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
