@@ -1,4 +1,4 @@
-"""Shared test helpers: an independent float64 attention reference."""
+"""Shared test helpers: an independent float64 attention reference, a tiny offline tokenizer."""
 
 from __future__ import annotations
 
@@ -26,6 +26,28 @@ def reference_attention(q, k, v, windows, scale=None, sink_tokens=0):
     scores = torch.einsum("bhid,bhjd->bhij", q, k) * scale
     scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.einsum("bhij,bhjd->bhid", scores.softmax(-1), v)
+
+
+def tiny_byte_bpe(texts, vocab_size: int, special_tokens=()):
+    """A byte-level BPE tokenizer (transformers' fast tokenizer) trained offline on ``texts``;
+    any text still tokenizes, byte by byte where the merges do not reach."""
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False, special_tokens=list(special_tokens),
+    )
+    bpe.train_from_iterator(list(texts), trainer)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=bpe)
+
+
+@pytest.fixture(scope="session")
+def byte_bpe():
+    """:func:`tiny_byte_bpe`, for tests and fixtures of any scope."""
+    return tiny_byte_bpe
 
 
 @pytest.fixture

@@ -479,19 +479,10 @@ def test_windows_files_are_checked_where_they_enter(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    tokenizers = pytest.importorskip("tokenizers")
-    root = tmp_path_factory.mktemp("contract")
-    bpe = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
-    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=VOCAB, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    bpe.train_from_iterator(["to be or not to be that is the question"] * 20, trainer)
-    folder = root / "model"
+def model_dir(tmp_path_factory, byte_bpe):
+    folder = tmp_path_factory.mktemp("contract") / "model"
     _tiny("llama").save_pretrained(folder)
-    transformers.PreTrainedTokenizerFast(tokenizer_object=bpe).save_pretrained(folder)
+    byte_bpe(["to be or not to be that is the question"] * 20, VOCAB).save_pretrained(folder)
     return folder
 
 

@@ -208,9 +208,8 @@ def _vllm_unavailable() -> str | None:
     return None
 
 
-def _tiny_model(root: Path) -> Path:
+def _tiny_model(root: Path, byte_bpe) -> Path:
     transformers = pytest.importorskip("transformers")
-    tokenizers = pytest.importorskip("tokenizers")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=E2E_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -219,14 +218,8 @@ def _tiny_model(root: Path) -> Path:
     )
     model_dir = root / "model"
     transformers.LlamaForCausalLM(config).save_pretrained(model_dir)
-    bpe = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
-    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=E2E_VOCAB, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    bpe.train_from_iterator(["to be or not to be that is the question whether tis nobler in the mind"] * 20, trainer)
-    transformers.PreTrainedTokenizerFast(tokenizer_object=bpe).save_pretrained(model_dir)
+    texts = ["to be or not to be that is the question whether tis nobler in the mind"] * 20
+    byte_bpe(texts, E2E_VOCAB).save_pretrained(model_dir)
     return model_dir
 
 
@@ -246,13 +239,13 @@ def _prompts(lengths, seed):
 
 
 @pytest.fixture(scope="module")
-def tiny_setup(tmp_path_factory):
+def tiny_setup(tmp_path_factory, byte_bpe):
     """The vLLM environment checked, a tiny Llama folder (with a tokenizer) and its windows files."""
     reason = _vllm_unavailable()
     if reason:
         pytest.skip(reason)
     root = tmp_path_factory.mktemp("vllm")
-    model_dir = _tiny_model(root)
+    model_dir = _tiny_model(root, byte_bpe)
     windows = _windows_file(root / "w.safetensors", model_dir, TINY_WINDOWS, TINY_SINKS)
     wide = _windows_file(root / "wide.safetensors", model_dir, [[MAX_LEN] * 4] * 2, TINY_SINKS)
     return root, model_dir, windows, wide
