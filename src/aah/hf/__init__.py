@@ -34,6 +34,8 @@ _EXPORTS = {
     "calibrate": "calibration",
     "measure_lost_mass": "calibration",
     "measure_window_kl": "loss_estimate",
+    "measure_answer_loss": "retrieval_calibration",
+    "calibration_sequences": "retrieval_calibration",
     "save_windows": "windows_file",
     "load_windows": "windows_file",
     "check_windows_for": "windows_file",

@@ -18,7 +18,10 @@ Policies:
   ``measure="kl"`` (an option of ours) puts the estimated KL divergence from the full
   model that each window adds (:mod:`aah.hf.loss_estimate`, one backward pass per batch)
   in the knapsack instead of the lost mass; it is in one unit across layers, so it is
-  meant for ``scope="model"``.
+  meant for ``scope="model"``. ``measure="kl_retrieval"`` adds to it, with weight
+  ``retrieval_weight``, what each window costs on synthetic long-range retrieval: the rise of
+  the answer tokens' loss on ``retrieval`` sequences (:mod:`aah.hf.retrieval_calibration`),
+  so the knapsack keeps the heads that must see far.
 
 With grouped-query attention the windows are decided per KV group by default
 (``granularity="kv_group"``): the query heads that share a KV head share its window, so the
@@ -49,6 +52,7 @@ from .patching import (
     layer_sliding_windows,
     recording,
 )
+from .retrieval_calibration import measure_answer_loss
 
 __all__ = [
     "POLICIES",
@@ -68,7 +72,7 @@ __all__ = [
 POLICIES = ("aah_v3", "uniform", "budgeted")
 GRANULARITIES = ("head", "kv_group")
 SCOPES = ("layer", "model")
-MEASURES = ("lost_mass", "kl")
+MEASURES = ("lost_mass", "kl", "kl_retrieval")
 
 
 def uniform_window_for_budget(
@@ -284,13 +288,17 @@ def calibrate(
     progress: bool = False,
     scope: str = "layer",
     measure: str = "lost_mass",
+    retrieval: Sequence | None = None,
+    retrieval_weight: float = 1.0,
 ) -> torch.Tensor:
     """(num_layers, num_query_heads) windows for ``model`` chosen by ``policy``.
 
     ``batches`` are token id tensors (B, T) of one length T. ``candidates`` default to the
     paper's ladder ``T/8, T/4, T/2, T``. ``scope`` (``layer`` or ``model``) is where the
     ``budgeted`` policy spends its budget and ``measure`` (``lost_mass`` or ``kl``) what it
-    minimises. The model is left unpatched.
+    minimises. ``measure="kl_retrieval"`` needs ``retrieval``, the sequences of
+    :func:`aah.hf.retrieval_calibration.calibration_sequences`, whose answer loss it adds to the
+    KL estimate times ``retrieval_weight``. The model is left unpatched.
     """
     check_choice("policy", policy, POLICIES)
     check_choice("granularity", granularity, GRANULARITIES)
@@ -310,7 +318,8 @@ def calibrate(
         return torch.full((len(modules), heads), window, dtype=torch.int64)
     if policy == "budgeted":
         return _run_budgeted(
-            model, batches, budget, seq_len, candidates, sink_tokens, granularity, scope, measure, seed, progress
+            model, batches, budget, seq_len, candidates, sink_tokens, granularity, scope, measure, seed, progress,
+            retrieval, retrieval_weight,
         )
     windows = _run_aah_v3(model, modules, batches, heads, seq_len, candidates, seed, progress)
     if granularity == "kv_group":
@@ -319,14 +328,24 @@ def calibrate(
 
 
 def _run_budgeted(
-    model, batches, budget, seq_len, candidates, sink_tokens, granularity, scope, measure, seed, progress
+    model, batches, budget, seq_len, candidates, sink_tokens, granularity, scope, measure, seed, progress,
+    retrieval=None, retrieval_weight=1.0,
 ):
     """Measure what each window loses, then solve; a bad scope or measure fails before any forward pass."""
     check_choice("scope", scope, SCOPES)
     check_choice("measure", measure, MEASURES)
     cands = resolve_candidates(seq_len, candidates)
-    if measure == "kl":
+    if measure == "kl_retrieval" and not retrieval:
+        raise ValueError("measure 'kl_retrieval' needs retrieval sequences (calibration_sequences)")
+    if measure == "kl_retrieval" and not retrieval_weight >= 0:
+        raise ValueError(f"retrieval_weight must be >= 0, got {retrieval_weight}")
+    if measure in ("kl", "kl_retrieval"):
         lost = measure_window_kl(model, batches, cands, sink_tokens=sink_tokens, seed=seed, progress=progress)
+        if measure == "kl_retrieval":
+            items = _items(model.config.num_attention_heads, _num_kv_heads(model), granularity)
+            answer = measure_answer_loss(model, retrieval, cands, sink_tokens=sink_tokens, items=items,
+                                         progress=progress)
+            lost = lost + retrieval_weight * answer
     else:
         lost = measure_lost_mass(model, batches, cands, sink_tokens=sink_tokens, progress=progress)
     return budgeted_windows(

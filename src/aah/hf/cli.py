@@ -52,9 +52,14 @@ def add_commands(subparsers) -> None:
     calibrate.add_argument("--scope", default="layer",
                            help="budgeted: spend the budget per layer (default) or over the whole model")
     calibrate.add_argument("--measure", default="lost_mass",
-                           help="budgeted: minimise the lost attention mass (lost_mass, default) or the "
+                           help="budgeted: minimise the lost attention mass (lost_mass, default), the "
                                 "estimated KL from the full model (kl, one backward pass per block; "
-                                "use with --scope model)")
+                                "use with --scope model), or that KL plus the answer loss on synthetic "
+                                "long-range retrieval sequences (kl_retrieval)")
+    calibrate.add_argument("--retrieval-sequences", type=int, default=8,
+                           help="kl_retrieval: synthetic retrieval sequences of --seq-len tokens (default 8)")
+    calibrate.add_argument("--retrieval-weight", type=float, default=1.0,
+                           help="kl_retrieval: weight of the answer loss against the KL (default 1)")
     calibrate.add_argument("--sink-tokens", type=int, default=4)
     calibrate.add_argument("--batches", type=int, default=4, help="calibration blocks (default 4)")
     calibrate.add_argument("--granularity", default="kv_group", help="kv_group (default) or head")
@@ -85,6 +90,10 @@ def add_commands(subparsers) -> None:
     evaluate.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (default 3)")
     evaluate.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-' for stdout)")
     evaluate.set_defaults(func=_evaluate)
+
+    from .retrieval_cli import add_command as add_retrieval_command
+
+    add_retrieval_command(sub)
 
     p.set_defaults(func=lambda args: p.print_help() or 2)
 
@@ -134,8 +143,13 @@ def _load(model_dir: str, seq_len: int):
 
     def load_model():
         import torch
+        from safetensors import SafetensorError
 
-        return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        try:
+            return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise CLIError(f"{folder}: the weights cannot be loaded ({type(exc).__name__}: {first})") from None
 
     return config, tokenizer, load_model
 
@@ -178,6 +192,17 @@ def _parse_candidates(text: str | None, seq_len: int) -> tuple[int, ...] | None:
         ) from None
 
 
+def _retrieval_sequences(tokenizer, args: argparse.Namespace):
+    """The synthetic retrieval sequences of ``--measure kl_retrieval``, or a one-line error."""
+    from ..data.corpora import CorpusNotFoundError
+    from .retrieval_calibration import calibration_sequences
+
+    try:
+        return calibration_sequences(tokenizer, args.seq_len, args.retrieval_sequences, seed=args.seed)
+    except (CorpusNotFoundError, ValueError) as exc:
+        raise CLIError(f"--measure kl_retrieval: {exc}") from None
+
+
 def _calibrate(args: argparse.Namespace) -> int:
     from .calibration import GRANULARITIES, MEASURES, POLICIES, SCOPES, calibrate, check_choice
     from .patching import executed_coverage, layer_windows_for
@@ -192,15 +217,22 @@ def _calibrate(args: argparse.Namespace) -> int:
     if args.sink_tokens < 0:
         raise CLIError(f"--sink-tokens must be >= 0, got {args.sink_tokens}")
     candidates = _parse_candidates(args.candidates, args.seq_len)
+    retrieval_flags = args.policy == "budgeted" and args.measure == "kl_retrieval"
+    if retrieval_flags and args.retrieval_sequences < 1:
+        raise CLIError(f"--retrieval-sequences must be >= 1, got {args.retrieval_sequences}")
+    if retrieval_flags and not args.retrieval_weight >= 0:
+        raise CLIError(f"--retrieval-weight must be >= 0, got {args.retrieval_weight}")
     _, tokenizer, load_model = _load(args.model_dir, args.seq_len)
     blocks = _blocks(tokenizer, args.corpus, "train", args.seq_len, args.batches)
     _check_budget(args, candidates)
+    retrieval = _retrieval_sequences(tokenizer, args) if retrieval_flags else None
     model = load_model()
     try:
         windows = calibrate(
             model, blocks.split(1), policy=args.policy, budget=args.budget, sink_tokens=args.sink_tokens,
             granularity=args.granularity, seed=args.seed, progress=True, scope=args.scope,
-            candidates=candidates, measure=args.measure,
+            candidates=candidates, measure=args.measure, retrieval=retrieval,
+            retrieval_weight=args.retrieval_weight,
         )
     except ValueError as exc:
         raise CLIError(str(exc)) from None
@@ -217,6 +249,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         "candidates": list(candidates) if candidates else None,
         "corpus": args.corpus,
         "batches": args.batches,
+        "retrieval_sequences": args.retrieval_sequences if retrieval_flags else None,
+        "retrieval_weight": args.retrieval_weight if retrieval_flags else None,
     }
     specs = layer_windows_for(model, windows, args.sink_tokens)
     meta["acr"], meta["causal_coverage"] = executed_coverage(model, args.seq_len, specs)

@@ -1,0 +1,153 @@
+"""``aah hf retrieval``: passkey, needle-in-a-haystack and variable-tracking accuracy of full
+attention, the calibrated windows and one uniform window at the same causal coverage."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..errors import CLIError
+
+__all__ = ["add_command"]
+
+DEFAULT_DEPTHS = "0.05,0.275,0.5,0.725,0.95"
+SETTINGS = ("full", "aah", "uniform")
+
+
+def add_command(subparsers) -> None:
+    """Add ``retrieval`` to the ``aah hf`` subcommands."""
+    p = subparsers.add_parser(
+        "retrieval",
+        help="long-range retrieval accuracy (passkey, needles, variable tracking): full vs AAH vs uniform",
+        description=(
+            "Synthetic retrieval tasks generated offline from --seed at each --lengths (tokens of the "
+            "model's tokenizer, prompt plus answer) and needle depth; greedy answers, exact match. Reports "
+            "accuracy with Wilson 95% intervals overall, by length and by depth, for full attention, the "
+            "windows in --windows and one uniform window at their causal coverage at each length."
+        ),
+    )
+    p.add_argument("model_dir", metavar="MODEL_DIR")
+    p.add_argument("--windows", required=True, metavar="FILE", help="windows file of aah hf calibrate")
+    p.add_argument("--tasks", default="passkey", metavar="T1,T2,...",
+                   help="passkey, niah_single, niah_multikey, niah_multivalue, niah_text, vt (default passkey)")
+    p.add_argument("--lengths", required=True, metavar="N1,N2,...", help="context lengths in tokens")
+    p.add_argument("--depths", default=DEFAULT_DEPTHS, metavar="D1,D2,...",
+                   help=f"needle depths in [0, 1] (default {DEFAULT_DEPTHS})")
+    p.add_argument("--trials", type=int, default=2, help="samples per (task, length, depth) cell (default 2)")
+    p.add_argument("--settings", default=",".join(SETTINGS), metavar="S1,S2,...",
+                   help="which of full, aah, uniform to run (default all three)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-' for stdout)")
+    p.add_argument("--heatmap", metavar="FILE", help="depth x length accuracy heatmaps (PNG)")
+    p.set_defaults(func=_retrieval)
+
+
+def _numbers(flag: str, text: str, kind, check, allowed: str) -> list:
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(check(v) for v in values) or len(set(values)) != len(values):
+        raise CLIError(f"{flag} must be distinct comma-separated {allowed}, got {text!r}")
+    return values
+
+
+def _names(flag: str, text: str, allowed: tuple[str, ...]) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in allowed]
+    if bad or not names or len(set(names)) != len(names):
+        raise CLIError(f"{flag} must be distinct names among {', '.join(allowed)}; got {text!r}")
+    return names
+
+
+def _retrieval(args: argparse.Namespace) -> int:
+    from .cli import _load
+    from .retrieval import TASKS
+
+    tasks = _names("--tasks", args.tasks, TASKS)
+    wanted = _names("--settings", args.settings, SETTINGS)
+    depths = _numbers("--depths", args.depths, float, lambda d: 0.0 <= d <= 1.0, "depths in [0, 1]")
+    if args.trials < 1:
+        raise CLIError(f"--trials must be >= 1, got {args.trials}")
+    lengths = _numbers("--lengths", args.lengths, int, lambda n: n >= 2, "lengths >= 2")
+
+    from .evaluate import Setting, uniform_setting
+    from .retrieval import build_samples
+    from .retrieval_eval import draw_heatmaps, run_settings, score, setting_facts
+    from .windows_file import check_windows_for, load_windows
+
+    try:
+        windows, meta = load_windows(args.windows)
+    except (FileNotFoundError, ValueError) as exc:
+        raise CLIError(str(exc)) from None
+    config, tokenizer, load_model = _load(args.model_dir, 2)
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and max(lengths) > limit:
+        raise CLIError(f"--lengths must be at most {limit} (max_position_embeddings of the model), got {max(lengths)}")
+    try:
+        check_windows_for(config, windows, meta, args.windows)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    try:
+        samples = build_samples(tokenizer, tasks, lengths, depths, args.trials, seed=args.seed)
+    except ValueError as exc:
+        raise CLIError(f"--lengths: {exc}") from None
+    for path in (args.json, args.heatmap):
+        if path and path != "-" and not Path(path).parent.is_dir():
+            raise CLIError(f"cannot write {path}: no folder {Path(path).parent}")
+    model = load_model()
+    aah = Setting("aah", windows, int(meta["sink_tokens"]))
+    outputs: dict[str, list[str]] = {name: [] for name in wanted}
+    facts: dict[str, dict[str, dict]] = {name: {} for name in wanted}
+    for length in lengths:
+        settings = {"full": Setting("full", None), "aah": aah}
+        if "uniform" in wanted:
+            settings["uniform"] = uniform_setting(model, aah, length)
+        chosen = [settings[name] for name in wanted]
+        group = [s for s in samples if s.length == length]
+        for name, texts in run_settings(model, tokenizer, chosen, group).items():
+            outputs[name].extend(texts)
+        for setting in chosen:
+            facts[setting.name][str(length)] = setting_facts(model, setting, length)
+    ordered = [s for length in lengths for s in samples if s.length == length]
+    results = score(ordered, outputs)
+    report = {
+        "config": {
+            "model": meta["model"], "windows_file": str(args.windows), "policy": meta["policy"],
+            "sink_tokens": aah.sink_tokens, "tasks": tasks, "lengths": lengths, "depths": depths,
+            "trials": args.trials, "seed": args.seed, "settings": wanted,
+        },
+        "settings": facts,
+        "results": results,
+        "samples": [
+            {"task": s.task, "length": s.length, "depth": s.depth, "trial": s.trial, "prompt_tokens": s.prompt_len,
+             "needle_depth": round(s.needle_depth, 4), "answers": list(s.answers),
+             "outputs": {name: outputs[name][i] for name in wanted}}
+            for i, s in enumerate(ordered)
+        ],
+    }
+    print(_table(results, facts, lengths))
+    if args.json == "-":
+        json.dump(report, sys.stdout, indent=2)
+        print()
+    elif args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    if args.heatmap:
+        draw_heatmaps(results, args.heatmap)
+    return 0
+
+
+def _table(results: dict, facts: dict, lengths: list[int]) -> str:
+    lines = ["| setting | task | accuracy (95% CI) | " + " | ".join(f"{n} tokens" for n in lengths)
+             + " | causal coverage |", "|---|---|---|" + "---|" * len(lengths) + "---|"]
+    for name, per_task in results.items():
+        coverage = ", ".join(f"{facts[name][str(n)]['causal_coverage']:.3f}" for n in lengths)
+        for task, r in per_task.items():
+            by_length = " | ".join(
+                f"{r['by_length'][str(n)]['correct']}/{r['by_length'][str(n)]['trials']}" for n in lengths
+            )
+            lines.append(f"| {name} | {task} | {r['accuracy']:.3f} [{r['ci'][0]:.3f}, {r['ci'][1]:.3f}] | "
+                         f"{by_length} | {coverage} |")
+    return "\n".join(lines)

@@ -1,0 +1,163 @@
+"""Run the retrieval tasks of :mod:`aah.hf.retrieval` for several settings of one model and score them.
+
+Each setting (``full``, ``aah``, ``uniform``: :class:`aah.hf.evaluate.Setting`) reads every
+prompt once (the prefill, into the setting's own cache: transformers' dynamic cache for
+``full``, the window cache otherwise) and then decodes ``max_new_tokens`` greedy tokens from
+that cache. A sample is correct when every answer is a whole word of the decoded text. All
+settings see the same samples, so their accuracies are paired.
+
+Accuracies come with Wilson 95% score intervals over the trials behind them: overall, by
+length, by depth and per (length, depth) cell, which the heatmap draws.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .evaluate import Setting
+from .patching import executed_coverage
+from .retrieval import Sample, is_correct
+
+__all__ = ["wilson_interval", "generate_answers", "run_settings", "score", "draw_heatmaps", "depth_key"]
+
+_Z95 = 1.959963984540054
+
+
+def wilson_interval(correct: int, trials: int, z: float = _Z95) -> list[float] | None:
+    """The Wilson score interval of a binomial proportion (95% by default); ``None`` for no trials."""
+    if trials < 1:
+        return None
+    p = correct / trials
+    denom = 1 + z * z / trials
+    centre = (p + z * z / (2 * trials)) / denom
+    half = z * math.sqrt(p * (1 - p) / trials + z * z / (4 * trials * trials)) / denom
+    return [max(0.0, centre - half), min(1.0, centre + half)]
+
+
+def depth_key(depth: float) -> str:
+    """The JSON key of a depth: at most three decimals, e.g. ``0.05``, ``0.5``, ``0.275``."""
+    return f"{depth:.3f}".rstrip("0").rstrip(".") if depth else "0"
+
+
+@torch.no_grad()
+def generate_answers(model, setting: Setting, sample: Sample, tokenizer) -> str:
+    """The greedy continuation of ``sample``'s prompt under ``setting``, decoded to text."""
+    ids = torch.tensor([sample.input_ids], dtype=torch.int64, device=model.device)
+    cache = setting.new_cache(model)
+    logits = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    out = []
+    for step in range(sample.max_new_tokens):
+        token = logits.argmax(-1, keepdim=True)
+        out.append(int(token))
+        if step + 1 < sample.max_new_tokens:
+            logits = model(token, past_key_values=cache, use_cache=True).logits[:, -1]
+    return tokenizer.decode(out, skip_special_tokens=True)
+
+
+def run_settings(model, tokenizer, settings: Sequence[Setting], samples: Sequence[Sample],
+                 *, progress: bool = True) -> dict[str, list[str]]:
+    """``{setting name: [output text of each sample]}``; the model is left unpatched."""
+    outputs: dict[str, list[str]] = {}
+    bar = tqdm(total=len(settings) * len(samples), desc="retrieval", disable=not progress)
+    try:
+        for setting in settings:
+            setting.apply(model)
+            outputs[setting.name] = []
+            for sample in samples:
+                bar.set_postfix_str(f"{setting.name} {sample.task} {sample.length}", refresh=False)
+                outputs[setting.name].append(generate_answers(model, setting, sample, tokenizer))
+                bar.update()
+    finally:
+        bar.close()
+        Setting("full", None).apply(model)
+    return outputs
+
+
+def _cell(flags: list[bool]) -> dict:
+    correct = sum(flags)
+    return {
+        "accuracy": correct / len(flags) if flags else None,
+        "ci": wilson_interval(correct, len(flags)),
+        "correct": correct,
+        "trials": len(flags),
+    }
+
+
+def score(samples: Sequence[Sample], outputs: dict[str, list[str]]) -> dict[str, dict[str, dict]]:
+    """``{setting: {task: {accuracy, ci, correct, trials, by_length, by_depth, grid}}}``.
+
+    ``by_length`` is keyed by the length in tokens, ``by_depth`` by :func:`depth_key` of the
+    requested depth, and ``grid[length][depth]`` is one heatmap cell; each value has the same
+    four keys as the task's own (``accuracy``, ``ci``, ``correct``, ``trials``).
+    """
+    results: dict[str, dict[str, dict]] = {}
+    for name, texts in outputs.items():
+        flags = [is_correct(s, text) for s, text in zip(samples, texts)]
+        per_task: dict[str, dict] = {}
+        for task in dict.fromkeys(s.task for s in samples):
+            rows = [(s, f) for s, f in zip(samples, flags) if s.task == task]
+            lengths = sorted({s.length for s, _ in rows})
+            depths = sorted({s.depth for s, _ in rows})
+            entry = _cell([f for _, f in rows])
+            entry["by_length"] = {str(n): _cell([f for s, f in rows if s.length == n]) for n in lengths}
+            entry["by_depth"] = {depth_key(d): _cell([f for s, f in rows if s.depth == d]) for d in depths}
+            entry["grid"] = {
+                str(n): {depth_key(d): _cell([f for s, f in rows if s.length == n and s.depth == d]) for d in depths}
+                for n in lengths
+            }
+            per_task[task] = entry
+        results[name] = per_task
+    return results
+
+
+def setting_facts(model, setting: Setting, seq_len: int) -> dict:
+    """``acr``, ``causal_coverage`` (as the layers run them at ``seq_len``) and the uniform ``window``."""
+    if setting.windows is None:
+        return {"acr": 1.0, "causal_coverage": 1.0, "window": None}
+    setting.apply(model)
+    try:
+        acr, coverage = executed_coverage(model, seq_len)
+    finally:
+        Setting("full", None).apply(model)
+    uniform = setting.windows.unique()
+    return {"acr": acr, "causal_coverage": coverage, "window": int(uniform[0]) if uniform.numel() == 1 else None}
+
+
+def draw_heatmaps(results: dict[str, dict[str, dict]], path: str | Path) -> Path:
+    """One PNG: a depth (rows) x length (columns) accuracy heatmap per setting (rows) and task (columns)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    names = list(results)
+    tasks = list(next(iter(results.values())))
+    fig = Figure(figsize=(3.2 * len(tasks) + 1.0, 2.8 * len(names)), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(names), len(tasks), squeeze=False)
+    image = None
+    for r, name in enumerate(names):
+        for c, task in enumerate(tasks):
+            grid = results[name][task]["grid"]
+            lengths = list(grid)
+            depths = list(next(iter(grid.values())))
+            values = [[grid[n][d]["accuracy"] for n in lengths] for d in depths]
+            ax = axes[r][c]
+            image = ax.imshow(values, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto", origin="upper")
+            for i, row in enumerate(values):
+                for j, v in enumerate(row):
+                    ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7)
+            ax.set_xticks(range(len(lengths)), lengths, fontsize=7)
+            ax.set_yticks(range(len(depths)), depths, fontsize=7)
+            ax.set_title(f"{name}: {task} ({results[name][task]['accuracy']:.2f})", fontsize=9)
+            if r == len(names) - 1:
+                ax.set_xlabel("length (tokens)", fontsize=8)
+            if c == 0:
+                ax.set_ylabel("needle depth", fontsize=8)
+    fig.colorbar(image, ax=axes, shrink=0.6, label="accuracy")
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    return path

@@ -1,0 +1,248 @@
+"""Synthetic retrieval tasks (aah.hf.retrieval), their scoring, and the aah hf retrieval command."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+from aah.cli import main  # noqa: E402
+from aah.data.corpora import CorpusNotFoundError  # noqa: E402
+from aah.hf.evaluate import Setting  # noqa: E402
+from aah.hf.retrieval import REPEAT_FILLER, TASKS, Sample, build_sample, build_samples, is_correct  # noqa: E402
+from aah.hf.retrieval_eval import generate_answers, score, wilson_interval  # noqa: E402
+from aah.hf.windows_file import model_signature, save_windows  # noqa: E402
+
+REPEAT_TASKS = [t for t in TASKS if t != "niah_text"]
+
+
+def _tokenizer():
+    """A byte-level BPE trained offline on the filler and needle words (any text still tokenizes)."""
+    bpe = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
+    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=400, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    text = "".join(REPEAT_FILLER) * 20 + " the special magic numbers for is: What are pass key Remember it VAR = " * 20
+    bpe.train_from_iterator([text], trainer)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=bpe)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return _tokenizer()
+
+
+def _text(tok, sample: Sample) -> str:
+    return tok.decode(list(sample.input_ids))
+
+
+@pytest.mark.parametrize("task", REPEAT_TASKS)
+def test_samples_fill_the_length_and_hold_their_answers(tok, task):
+    for length, depth in ((600, 0.05), (900, 0.5), (900, 0.95)):
+        s = build_sample(tok, task, length, depth, seed=3)
+        assert s.task == task and s.length == length
+        # The prompt leaves room for the answer and is filled to within one filler sentence.
+        assert length - s.max_new_tokens - 12 <= s.prompt_len <= length - s.max_new_tokens
+        text = _text(tok, s)
+        for answer in s.answers:
+            assert re.search(rf"\b{answer}\b", text)
+        assert abs(s.needle_depth - depth) < 6 / s.prompt_len  # the nearest sentence boundary
+        assert build_sample(tok, task, length, depth, seed=3) == s  # deterministic
+        assert build_sample(tok, task, length, depth, seed=4).input_ids != s.input_ids
+
+
+def test_passkey_is_the_landmark_prompt(tok):
+    s = build_sample(tok, "passkey", 700, 0.4, seed=1)
+    (key,) = s.answers
+    text = _text(tok, s)
+    assert re.fullmatch(r"[1-9]\d{4}", key)
+    assert f"The pass key is {key}. Remember it. {key} is the pass key." in text
+    assert text.endswith(" What is the pass key? The pass key is")
+    assert text.count(key) == 2 and "The grass is green. The sky is blue. The sun is yellow." in text
+    start, end = text.index("here.\n") + 6, text.index(" What is the pass key?")
+    assert abs((text.index(" The pass key") - start) / (end - start) - 0.4) < 0.08  # depth in the haystack
+
+
+def test_multikey_asks_one_of_several_keys_and_multivalue_wants_all(tok):
+    s = build_sample(tok, "niah_multikey", 900, 0.3, seed=2)
+    text = _text(tok, s)
+    needles = re.findall(r"special magic numbers for ([a-z]+-[a-z]+) is: (\d{7})\.", text)
+    assert len(needles) == 4 and len({k for k, _ in needles}) == 4
+    asked = re.search(r"What is the special magic number for ([a-z]+-[a-z]+) mentioned", text).group(1)
+    assert s.answers == (dict(needles)[asked],)
+    m = build_sample(tok, "niah_multivalue", 900, 0.3, seed=2)
+    needles = re.findall(r"special magic numbers for ([a-z]+-[a-z]+) is: (\d{7})\.", _text(tok, m))
+    assert len({k for k, _ in needles}) == 1 and sorted(v for _, v in needles) == sorted(m.answers)
+    assert len(m.answers) == 4
+
+
+def test_variable_tracking_answers_are_the_chain_that_holds_the_value(tok):
+    s = build_sample(tok, "vt", 900, 0.2, seed=5)
+    text = _text(tok, s)
+    value = re.search(r"assigned the value (\d{5}) in the text above", text).group(1)
+    holds = {m.group(1) for m in re.finditer(rf"VAR ([A-Z]{{5}}) = {value}\.", text)}
+    links = re.findall(r"VAR ([A-Z]{5}) = VAR ([A-Z]{5})\.", text)
+    grown = True
+    while grown:  # follow the assignments from the value
+        new = {dst for dst, src in links if src in holds} - holds
+        holds |= new
+        grown = bool(new)
+    assert holds == set(s.answers) and len(holds) == 4
+
+
+def test_niah_text_buries_the_needle_in_held_out_shakespeare(tok):
+    try:
+        s = build_sample(tok, "niah_text", 900, 0.5, seed=0)
+    except CorpusNotFoundError:
+        pytest.skip("the shakespeare corpus is not installed")
+    text = _text(tok, s)
+    assert "The grass is green" not in text and text.count("\n") > 10
+    assert "\nOne of the special magic numbers for" in text and s.answers[0] in text
+
+
+def test_build_samples_grid_order_and_errors(tok):
+    samples = build_samples(tok, ["passkey", "vt"], [600, 800], [0.1, 0.9], 2, seed=0)
+    assert len(samples) == 2 * 2 * 2 * 2
+    assert [(s.task, s.length, s.depth, s.trial) for s in samples[:4]] == [
+        ("passkey", 600, 0.1, 0), ("passkey", 600, 0.1, 1), ("passkey", 600, 0.9, 0), ("passkey", 600, 0.9, 1)]
+    assert len({s.input_ids for s in samples}) == len(samples)
+    with pytest.raises(ValueError, match="tasks must be among passkey"):
+        build_samples(tok, ["passkey", "haystack"], [600], [0.5], 1)
+    with pytest.raises(ValueError, match="cannot hold"):
+        build_sample(tok, "passkey", 40, 0.5)
+    with pytest.raises(ValueError, match="depth must be in"):
+        build_sample(tok, "passkey", 600, 1.5)
+
+
+def test_answers_must_be_whole_words():
+    s = Sample("niah_multivalue", 100, 0.5, 0, (1,), ("1234567", "7654321"), 10, 0.5)
+    assert is_correct(s, " 1234567, 7654321.")
+    assert not is_correct(s, " 1234567 and 76543210")
+    assert not is_correct(s, " 12345678, 7654321")
+
+
+def test_wilson_interval_matches_published_values():
+    # Wilson (1927) score interval, z = 1.96: 8/10 -> [0.4902, 0.9433]; 0/10 -> [0, z^2 / (n + z^2)].
+    assert wilson_interval(8, 10) == pytest.approx([0.49016, 0.94332], abs=1e-4)
+    assert wilson_interval(0, 10) == pytest.approx([0.0, 1.959964**2 / (10 + 1.959964**2)], abs=1e-6)
+    assert wilson_interval(40, 40)[1] == 1.0 and wilson_interval(40, 40)[0] == pytest.approx(0.91238, abs=1e-4)
+    assert wilson_interval(0, 0) is None
+
+
+def test_score_counts_by_length_depth_and_cell():
+    def sample(length, depth, answer):
+        return Sample("passkey", length, depth, 0, (1,), (answer,), 8, depth)
+
+    samples = [sample(100, 0.1, "11111"), sample(100, 0.9, "22222"), sample(200, 0.1, "33333"),
+               sample(200, 0.9, "44444")]
+    results = score(samples, {"full": [" 11111.", " 22222", " 33333", " 44444"],
+                              "aah": [" 11111.", " 2222", " 33333", " 0"]})
+    assert results["full"]["passkey"]["accuracy"] == 1.0
+    aah = results["aah"]["passkey"]
+    assert (aah["correct"], aah["trials"], aah["accuracy"]) == (2, 4, 0.5)
+    assert aah["ci"] == wilson_interval(2, 4)
+    assert aah["by_length"]["100"]["correct"] == 1 and aah["by_length"]["200"]["correct"] == 1
+    assert aah["by_depth"]["0.1"]["correct"] == 2 and aah["by_depth"]["0.9"]["correct"] == 0
+    assert aah["grid"]["200"]["0.9"] == {"accuracy": 0.0, "ci": wilson_interval(0, 1), "correct": 0, "trials": 1}
+
+
+# ---- greedy answers and the command on a tiny random model -----------------------------------------
+
+def _llama(vocab: int, max_pos: int = 1024):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=max_pos, attn_implementation="sdpa",
+        eos_token_id=None, bos_token_id=None, pad_token_id=None,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def test_greedy_answers_equal_transformers_generate(tok):
+    model = _llama(len(tok))
+    s = build_sample(tok, "niah_single", 400, 0.5, seed=0)
+    got = generate_answers(model, Setting("full", None), s, tok)
+    ids = torch.tensor([s.input_ids])
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=s.max_new_tokens, do_sample=False)
+    assert got == tok.decode(ref[0, ids.shape[1]:].tolist())
+    # Windows that cover the whole context change nothing.
+    wide = Setting("aah", torch.full((2, 4), 1024), 4)
+    wide.apply(model)
+    try:
+        assert generate_answers(model, wide, s, tok) == got
+    finally:
+        Setting("full", None).apply(model)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tok):
+    root = tmp_path_factory.mktemp("retrieval")
+    model = _llama(len(tok))
+    model.save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    windows = torch.tensor([[64, 64, 512, 512], [32, 32, 128, 128]])
+    meta = {"model": model_signature(model), "seq_len": 512, "policy": "budgeted", "budget": 0.5,
+            "sink_tokens": 4, "acr": 0.4, "causal_coverage": 0.5}
+    save_windows(root / "w.safetensors", windows, meta)
+    return root
+
+
+@pytest.mark.slow
+def test_retrieval_command_writes_json_and_heatmap(model_dir, tmp_path, capsys):
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    argv = ["hf", "retrieval", str(model_dir / "model"), "--windows", str(model_dir / "w.safetensors"),
+            "--tasks", "passkey,niah_single", "--lengths", "350,400", "--depths", "0.1,0.9", "--trials", "1",
+            "--json", str(out), "--heatmap", str(png)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert set(report) == {"config", "settings", "results", "samples"}
+    assert report["config"]["tasks"] == ["passkey", "niah_single"] and report["config"]["lengths"] == [350, 400]
+    assert set(report["results"]) == {"full", "aah", "uniform"}
+    for per_task in report["results"].values():
+        for task in ("passkey", "niah_single"):
+            r = per_task[task]
+            assert r["trials"] == 4 and set(r["by_length"]) == {"350", "400"} and set(r["by_depth"]) == {"0.1", "0.9"}
+            assert sum(c["trials"] for row in r["grid"].values() for c in row.values()) == 4
+            assert r["ci"] == wilson_interval(r["correct"], 4)
+    facts = report["settings"]
+    assert facts["full"]["400"]["causal_coverage"] == 1.0
+    for n in ("350", "400"):
+        assert facts["uniform"][n]["causal_coverage"] <= facts["aah"][n]["causal_coverage"] + 1e-12
+        assert facts["uniform"][n]["window"] is not None and facts["aah"][n]["window"] is None
+    assert len(report["samples"]) == 8
+    first = report["samples"][0]
+    assert set(first["outputs"]) == {"full", "aah", "uniform"} and first["length"] == 350
+    # The scores are those of the recorded outputs.
+    flags = [re.search(rf"\b{s['answers'][0]}\b", s["outputs"]["full"]) is not None
+             for s in report["samples"] if s["task"] == "passkey"]
+    assert report["results"]["full"]["passkey"]["correct"] == sum(flags)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| aah | passkey |" in capsys.readouterr().out
+
+
+def _error(argv, capsys) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    return err
+
+
+def test_retrieval_command_refuses_bad_input(model_dir, capsys):
+    base = ["hf", "retrieval", str(model_dir / "model"), "--windows", str(model_dir / "w.safetensors")]
+    assert "--tasks must be distinct names among passkey" in _error([*base, "--lengths", "400", "--tasks", "pk"],
+                                                                     capsys)
+    assert "--depths must be" in _error([*base, "--lengths", "400", "--depths", "0.5,1.5"], capsys)
+    assert "--lengths must be" in _error([*base, "--lengths", "400,x"], capsys)
+    assert "--settings must be" in _error([*base, "--lengths", "400", "--settings", "full,best"], capsys)
+    assert "--trials must be >= 1" in _error([*base, "--lengths", "400", "--trials", "0"], capsys)
+    assert "max_position_embeddings" in _error([*base, "--lengths", "4096"], capsys)
+    assert "cannot hold" in _error([*base, "--lengths", "60"], capsys)
+    assert "windows file not found" in _error([*base[:-1], "nope.safetensors", "--lengths", "400"], capsys)
