@@ -28,9 +28,10 @@ def reference_attention(q, k, v, windows, scale=None, sink_tokens=0):
     return torch.einsum("bhij,bhjd->bhid", scores.softmax(-1), v)
 
 
-def tiny_byte_bpe(texts, vocab_size: int, special_tokens=()):
-    """A byte-level BPE tokenizer (transformers' fast tokenizer) trained offline on ``texts``;
-    any text still tokenizes, byte by byte where the merges do not reach."""
+def tiny_byte_bpe(texts, vocab_size: int, special_tokens=(), **fast_tokenizer_kwargs):
+    """A byte-level BPE tokenizer (transformers' fast tokenizer, built with
+    ``fast_tokenizer_kwargs``) trained offline on ``texts``; any text still tokenizes, byte by
+    byte where the merges do not reach."""
     tokenizers = pytest.importorskip("tokenizers")
     transformers = pytest.importorskip("transformers")
     bpe = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
@@ -41,7 +42,7 @@ def tiny_byte_bpe(texts, vocab_size: int, special_tokens=()):
         show_progress=False, special_tokens=list(special_tokens),
     )
     bpe.train_from_iterator(list(texts), trainer)
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=bpe)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, **fast_tokenizer_kwargs)
 
 
 @pytest.fixture(scope="session")

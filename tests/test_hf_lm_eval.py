@@ -20,24 +20,12 @@ from aah.hf.windows_file import model_signature, save_windows  # noqa: E402
 SEQ = 320
 
 
-def _tokenizer():
-    bpe = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
-    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=400, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-        special_tokens=["<eos>"],
-    )
-    text = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. " * 20
-    bpe.train_from_iterator([text + " special magic numbers for is: What are all mentioned in the provided text"],
-                            trainer)
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
-
-
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
+def folder(tmp_path_factory, byte_bpe):
     root = tmp_path_factory.mktemp("lm_eval")
-    tok = _tokenizer()
+    text = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. " * 20
+    tok = byte_bpe([text + " special magic numbers for is: What are all mentioned in the provided text"], 400,
+                   special_tokens=["<eos>"], eos_token="<eos>")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -21,22 +21,11 @@ from aah.hf.windows_file import model_signature, save_windows  # noqa: E402
 REPEAT_TASKS = [t for t in TASKS if t != "niah_text"]
 
 
-def _tokenizer():
-    """A byte-level BPE trained offline on the filler and needle words (any text still tokenizes)."""
-    bpe = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token=None))
-    bpe.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=400, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    text = "".join(REPEAT_FILLER) * 20 + " the special magic numbers for is: What are pass key Remember it VAR = " * 20
-    bpe.train_from_iterator([text], trainer)
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=bpe)
-
-
 @pytest.fixture(scope="module")
-def tok():
-    return _tokenizer()
+def tok(byte_bpe):
+    """A byte-level BPE trained offline on the filler and needle words (any text still tokenizes)."""
+    text = "".join(REPEAT_FILLER) * 20 + " the special magic numbers for is: What are pass key Remember it VAR = " * 20
+    return byte_bpe([text], 400)
 
 
 def _text(tok, sample: Sample) -> str:
