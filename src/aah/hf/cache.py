@@ -278,17 +278,12 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
                 "this cache was built for other windows than the model now runs; "
                 "build a new one with aah.hf.new_cache(model)"
             )
+        if attention_mask is not None and self.sink_tokens:
+            self._find_sinks(pending.start, attention_mask)
         if pending.start == 0:
-            if attention_mask is not None:
-                visible = visible_keys(query.shape[2], query.shape[2], attention_mask, query.device)
-                kpos = torch.arange(visible.shape[-1], device=query.device)
-                first = torch.where(visible[:, 0, -1], kpos, visible.shape[-1]).amin(dim=-1)
-                self.sink_start = first.to(self.sink_start.device)
             out = attend_without_cache(query, pending.keys, pending.values, attention_mask, scaling, spec)
             self._store(pending.keys, pending.values, 0)
             return out
-        if attention_mask is not None and self.sink_tokens:
-            self._late_sinks(query.shape[2], pending.start, attention_mask)
         if self._can_decode_unmasked(query, pending, attention_mask):
             self._store(pending.keys, pending.values, pending.start)
             return self._decode_unmasked(query, scaling)
@@ -296,13 +291,15 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         self._store(pending.keys, pending.values, pending.start)
         return out
 
-    def _late_sinks(self, new: int, start: int, attention_mask: torch.Tensor) -> None:
-        """Rows whose earlier calls held only padding find their first real token (their sinks) now."""
+    def _find_sinks(self, start: int, attention_mask: torch.Tensor) -> None:
+        """Rows with no real token stored yet (all of them in the first call; a row whose earlier
+        calls held only padding) take their first real token, where their sinks start, from the
+        last row of this call's mask."""
         unknown = self.sink_start >= start
         if not bool(unknown.any()):
             return
-        kv_len = start + new
-        row = visible_keys(new, kv_len, attention_mask, self.sink_start.device)[:, 0, -1]
+        kv_len = attention_mask.shape[-1]
+        row = visible_keys(1, kv_len, attention_mask[:, :, -1:], self.sink_start.device)[:, 0, 0]
         first = torch.where(row, torch.arange(kv_len, device=row.device), kv_len).amin(dim=-1)
         self.sink_start = torch.where(unknown, first, self.sink_start)
 

@@ -2,7 +2,8 @@
 
 :func:`aah.hf.patch` moves the model into a subclass of its own class (made once per class,
 under the same name, so ``save_pretrained`` writes the same architecture) whose public
-``generate`` passes an :func:`aah.hf.new_cache` window cache when the caller passes none. ``cache_implementation`` maps as follows:
+``generate`` passes an :func:`aah.hf.new_cache` window cache when the caller passes none.
+``cache_implementation`` maps as follows:
 
 * unset or ``"dynamic"``: the window cache (it grows with the tokens, up to each window);
 * ``"static"``: transformers' ``StaticCache``, exact (the windows are applied by mask), without
@@ -13,9 +14,10 @@ under the same name, so ``save_pretrained`` writes the same architecture) whose 
 Each setting is resolved as transformers resolves it (the keyword, the passed
 ``generation_config``, the model's). An explicit ``past_key_values`` is used as given. Assisted
 decoding and prompt lookup turn on the window cache's past recording, so ``crop`` takes back
-the rejected drafts exactly (a patched assistant's own cache records too). The subclass pickles and deep-copies as the
-original class plus the patch, so ``torch.save`` / ``torch.load`` and ``copy.deepcopy`` of a
-patched model give a patched model; :func:`aah.hf.unpatch` moves it back.
+the rejected drafts exactly (a patched assistant's own cache records too). The subclass
+pickles and deep-copies as the original class plus the patch, so ``torch.save`` /
+``torch.load`` and ``copy.deepcopy`` of a patched model give a patched model;
+:func:`aah.hf.unpatch` moves it back.
 """
 
 from __future__ import annotations

@@ -278,22 +278,17 @@ def aah_attention(
         )
     pending = pending_of(key)
     documents = packed_documents(kwargs.get("position_ids"), query.shape[2], key.shape[2], attention_mask)
+    if documents is not None and (pending is not None or key.shape[2] != query.shape[2]):
+        raise NotImplementedError(
+            "packed sequences (position_ids restarting inside a row) are supported in a forward "
+            "without a cache; run them with use_cache=False"
+        )
     if pending is not None:  # a call that reads and writes an aah.hf window cache
-        if documents is not None:
-            raise NotImplementedError(
-                "packed sequences (position_ids restarting inside a row) are supported in a forward "
-                "without a cache; run them with use_cache=False"
-            )
         out = pending.layer.attend(query, pending, attention_mask, scaling, spec)
         return out.transpose(1, 2).contiguous(), None
     recorder = getattr(module, RECORDER_ATTR, None)
     if recorder is not None:
         recorder(query, key, value)
-    if documents is not None and key.shape[2] != query.shape[2]:
-        raise NotImplementedError(
-            "packed sequences (position_ids restarting inside a row) are supported in a forward "
-            "without a cache; run them with use_cache=False"
-        )
     out = attend_without_cache(query, key, value, attention_mask, scaling, spec, dropout=dropout, documents=documents)
     output_recorder = getattr(module, OUTPUT_RECORDER_ATTR, None)
     if output_recorder is not None:
@@ -314,10 +309,12 @@ def packed_documents(
     if position_ids is None or position_ids.dim() != 2 or position_ids.shape[1] != q_len or q_len < 2:
         return None
     restarts = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    if not bool(restarts.any()):
+        return None
     if attention_mask is not None:
         if q_len != kv_len or attention_mask.dim() != 4 or attention_mask.shape[-1] != kv_len:
             return None
-        real = visible_keys(q_len, kv_len, attention_mask, position_ids.device)[:, 0, -1]  # (B, T)
+        real = visible_keys(1, kv_len, attention_mask[:, :, -1:], position_ids.device)[:, 0, 0]  # (B, T)
         restarts = restarts & real[:, 1:] & real[:, :-1]
     if not bool(restarts.any()):
         return None

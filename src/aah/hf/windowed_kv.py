@@ -39,10 +39,6 @@ class Pending:
     values: torch.Tensor
     start: int  # absolute position of the first new token
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.keys.shape
-
 
 class WindowedKV(torch.Tensor):
     """New keys or values returned by a window cache layer's ``update``, with their :class:`Pending` note."""
