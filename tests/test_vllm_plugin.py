@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from aah import ring_decode
 from aah.vllm import paged as paged_module
 from aah.vllm.paged import Batch, PagedKV, windowed_attention
 from aah.vllm.plan import plan_layer, rank_heads
@@ -36,29 +37,34 @@ def _dense_reference(q, k, v, positions, windows, sinks, scale):
     return torch.einsum("htj,jhd->thd", scores.softmax(-1), v)
 
 
-def _paged(requests, kv_heads, transposed, seed=0):
-    """Write each request's keys and values into shuffled pages; returns the cache and block table."""
+def _paged(requests, kv_heads, transposed, seed=0, block=BLOCK, garbage=None):
+    """Write each request's keys and values into shuffled pages; returns the cache and block table.
+    The slots outside the requests hold random numbers, or ``garbage`` (NaN, say) when given."""
     g = torch.Generator().manual_seed(seed)
-    pages = [math.ceil(len(k) / BLOCK) for k, _ in requests]
+    dim = requests[0][0].shape[-1]
+    pages = [math.ceil(len(k) / block) for k, _ in requests]
     num_blocks = sum(pages) + 3
     perm = torch.randperm(num_blocks, generator=g)
-    keys = torch.randn(num_blocks, kv_heads, BLOCK, D, generator=g)  # garbage outside the requests
-    values = torch.randn(num_blocks, kv_heads, BLOCK, D, generator=g)
+    keys = torch.randn(num_blocks, kv_heads, block, dim, generator=g).to(requests[0][0].dtype)
+    values = torch.randn(num_blocks, kv_heads, block, dim, generator=g).to(requests[0][0].dtype)
+    if garbage is not None:
+        keys.fill_(garbage)
+        values.fill_(garbage)
     table = torch.zeros(len(requests), max(pages), dtype=torch.int32)
     used = 0
     for r, (k, v) in enumerate(requests):
         for p in range(pages[r]):
-            block = int(perm[used])
+            page_index = int(perm[used])
             used += 1
-            table[r, p] = block
-            chunk_k, chunk_v = k[p * BLOCK : (p + 1) * BLOCK], v[p * BLOCK : (p + 1) * BLOCK]
+            table[r, p] = page_index
+            chunk_k, chunk_v = k[p * block : (p + 1) * block], v[p * block : (p + 1) * block]
             n = len(chunk_k)
-            values[block, :, :n] = chunk_v.transpose(0, 1)
-            if transposed:  # the page of a head holds K^T (D, BLOCK)
-                page = keys[block].reshape(kv_heads, D, BLOCK)
+            values[page_index, :, :n] = chunk_v.transpose(0, 1)
+            if transposed:  # the page of a head holds K^T (D, block)
+                page = keys[page_index].reshape(kv_heads, dim, block)
                 page[:, :, :n] = chunk_k.permute(1, 2, 0)
             else:
-                keys[block, :, :n] = chunk_k.transpose(0, 1)
+                keys[page_index, :, :n] = chunk_k.transpose(0, 1)
     return PagedKV(keys, values, transposed), table
 
 
@@ -99,11 +105,16 @@ CASES = [  # (context, new tokens) per request: prefills, chunks after cached ke
     ((1000,) * 4, 2, 4, None),                 # windows over every length: full causal attention
     ((16, 3, 5, 40, 1, 64), 3, 4, 12),         # a layer with its own sliding window keeps no sinks
 ])
-@pytest.mark.parametrize("with_kernel,query_block", [(False, 128), (True, 8), (True, 32)])
+@pytest.mark.parametrize("with_kernel,query_block,compiled", [
+    (False, 128, False), (True, 8, False), (True, 32, False), (False, 128, True), (True, 128, True),
+])
 def test_paged_windows_equal_the_dense_float64_reference(case, windows, kv_heads, sinks, layer_window, with_kernel,
-                                                        query_block, monkeypatch):
-    # without the kernel every query runs here, in blocks of 128 masked queries; with it, the
-    # queries that need sinks run here in blocks of 8, split into parts joined by log-sum-exp
+                                                        query_block, compiled, monkeypatch):
+    # PyTorch path: without the kernel every query runs there, in blocks of 128 masked queries;
+    # with it, the queries that need sinks, in blocks of 8, split into parts joined by
+    # log-sum-exp. Compiled path: those queries in the compiled paged attention.
+    if compiled and ring_decode.load() is None:
+        pytest.skip(f"the compiled kernels are not available: {ring_decode.unavailable_reason()}")
     monkeypatch.setattr(paged_module, "QUERY_BLOCK", query_block)
     g = torch.Generator().manual_seed(case)
     heads = len(windows)
@@ -127,7 +138,7 @@ def test_paged_windows_equal_the_dense_float64_reference(case, windows, kv_heads
 
     query = torch.cat(queries)
     out = torch.full_like(query, float("nan"))
-    windowed_attention(query, out, paged, batch, plan, 0.25, kernel=kernel)
+    windowed_attention(query, out, paged, batch, plan, 0.25, kernel=kernel, compiled=compiled)
     effective = [min(w, layer_window) for w in windows] if layer_window else list(windows)
     effective_sinks = 0 if layer_window else sinks
     for r, (c, n) in enumerate(shapes):
@@ -135,6 +146,86 @@ def test_paged_windows_equal_the_dense_float64_reference(case, windows, kv_heads
         ref = _dense_reference(queries[r], k, v, torch.arange(c, c + n), effective, effective_sinks, 0.25)
         got = out[int(starts[r]) : int(starts[r + 1])]
         torch.testing.assert_close(got.double(), ref, atol=2e-6, rtol=1e-5)
+
+
+COMPILED_SHAPES = [  # a long prefill (tiles of tokens), mixed chunks and a decode step, decode steps only (split windows)
+    [(0, 300)],
+    [(0, 100), (37, 60), (500, 45), (20, 1)],
+    [(700, 1), (3, 1)],
+]
+
+
+@pytest.mark.parametrize("shapes", COMPILED_SHAPES)
+@pytest.mark.parametrize("dim,block,transposed,dtype", [
+    (64, 32, True, torch.float32),    # vLLM's float32 layout: the vectorised tiles
+    (128, 64, True, torch.float32),
+    (64, 32, False, torch.float32),   # plain key pages
+    (48, 16, True, torch.float32),    # a head size and page size the tiles do not take
+    (64, 32, True, torch.bfloat16),
+])
+def test_compiled_paged_attention_equals_the_dense_float64_reference(shapes, dim, block, transposed, dtype):
+    if ring_decode.load() is None:
+        pytest.skip(f"the compiled kernels are not available: {ring_decode.unavailable_reason()}")
+    g = torch.Generator().manual_seed(dim + block)
+    windows, kv_heads, sinks = (64, 7, 300, 1, 1000, 33), 2, 4
+    requests = [(torch.randn(c + n, kv_heads, dim, generator=g).to(dtype),
+                 torch.randn(c + n, kv_heads, dim, generator=g).to(dtype)) for c, n in shapes]
+    queries = [torch.randn(n, len(windows), dim, generator=g).to(dtype) for _, n in shapes]
+    # every slot outside the requests holds NaN: a kernel that reads one of them fails
+    paged, table = _paged(requests, kv_heads, transposed, seed=1, block=block, garbage=float("nan"))
+    request = torch.cat([torch.full((n,), r) for r, (_, n) in enumerate(shapes)])
+    position = torch.cat([torch.arange(c, c + n) for c, n in shapes])
+    scale = dim**-0.5
+    got = ring_decode.paged_attention(torch.cat(queries), paged.key_cache, paged.value_cache, transposed, request,
+                                      position, table, torch.tensor(windows), sinks, scale)
+    start = 0
+    tolerance = dict(atol=2e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    for r, (c, n) in enumerate(shapes):
+        k, v = requests[r]
+        ref = _dense_reference(queries[r], k, v, torch.arange(c, c + n), windows, sinks, scale)
+        torch.testing.assert_close(got[start : start + n].double(), ref, **tolerance)
+        start += n
+
+
+@pytest.mark.parametrize("shapes", COMPILED_SHAPES[:2])
+def test_compiled_paged_attention_reads_and_writes_views(shapes):
+    # the plugin passes a window class's heads as views of the layer's query and output
+    if ring_decode.load() is None:
+        pytest.skip(f"the compiled kernels are not available: {ring_decode.unavailable_reason()}")
+    g = torch.Generator().manual_seed(7)
+    requests = [(torch.randn(c + n, 1, 64, generator=g), torch.randn(c + n, 1, 64, generator=g)) for c, n in shapes]
+    paged, table = _paged(requests, 1, True, seed=2, block=32)
+    n = sum(m for _, m in shapes)
+    layer_query = torch.randn(n + 3, 9, 64, generator=g)
+    layer_out = torch.full((n + 3, 9, 64), float("nan"))
+    request = torch.cat([torch.full((m,), r) for r, (_, m) in enumerate(shapes)])
+    position = torch.cat([torch.arange(c, c + m) for c, m in shapes])
+    args = (paged.key_cache, paged.value_cache, True, request, position, table, torch.tensor([40, 40, 40]), 4, 0.125)
+    expected = ring_decode.paged_attention(layer_query[2 : n + 2, 3:6].contiguous(), *args)
+    ring_decode.paged_attention(layer_query[2 : n + 2, 3:6], *args, out=layer_out[2 : n + 2, 3:6])
+    torch.testing.assert_close(layer_out[2 : n + 2, 3:6], expected, atol=0, rtol=0)
+    assert layer_out[:, :3].isnan().all() and layer_out[:, 6:].isnan().all()  # nothing written beside the view
+    assert layer_out[:2].isnan().all() and layer_out[n + 2 :].isnan().all()
+
+
+def test_compiled_paged_attention_refuses_bad_inputs():
+    if ring_decode.load() is None:
+        pytest.skip(f"the compiled kernels are not available: {ring_decode.unavailable_reason()}")
+    cache = torch.zeros(4, 1, 8, 16)
+    q = torch.zeros(2, 2, 16)
+    table = torch.tensor([[0, 1]], dtype=torch.int32)
+    ok = dict(token_request=torch.zeros(2, dtype=torch.int64), token_position=torch.tensor([0, 1]),
+              block_table=table, windows=torch.tensor([3, 3]), sinks=0, scale=0.25)
+    ring_decode.paged_attention(q, cache, cache, True, **ok)
+    for change, message in [
+        (dict(windows=torch.tensor([3, 0])), "window must be >= 1"),
+        (dict(token_position=torch.tensor([0, 16])), "beyond the pages"),
+        (dict(token_request=torch.tensor([0, 1])), "block table's rows"),
+        (dict(block_table=table.long()), "int32"),
+        (dict(sinks=-1), "sinks must be >= 0"),
+    ]:
+        with pytest.raises(RuntimeError, match=message):
+            ring_decode.paged_attention(q, cache, cache, True, **{**ok, **change})
 
 
 def _row_of(row: torch.Tensor, table: torch.Tensor) -> int:
@@ -193,6 +284,10 @@ MAX_LEN = 512
 #: (layers, query heads) windows of the tiny model: GQA pairs, one group with two windows.
 TINY_WINDOWS = [[16, 16, 40, 40], [7, 9, 100, 100]]
 TINY_SINKS = 4
+#: Windows of the tiny Mistral: some below its sliding window, some above (capped to it).
+TINY_WINDOWS_MISTRAL = [[5, 5, 100, 100], [30, 12, 24, 7]]
+#: The tiny Mistral's own sliding window: its windows are capped there, and its layers keep no sinks.
+MISTRAL_SLIDING = 24
 
 
 def _vllm_unavailable() -> str | None:
@@ -213,11 +308,27 @@ def _tiny_model(root: Path, byte_bpe) -> Path:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=E2E_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=MAX_LEN,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=MAX_LEN,
         eos_token_id=None, bos_token_id=None, tie_word_embeddings=False,
     )
     model_dir = root / "model"
     transformers.LlamaForCausalLM(config).save_pretrained(model_dir)
+    texts = ["to be or not to be that is the question whether tis nobler in the mind"] * 20
+    byte_bpe(texts, E2E_VOCAB).save_pretrained(model_dir)
+    return model_dir
+
+
+def _tiny_mistral(root: Path, byte_bpe) -> Path:
+    """A tiny Mistral whose layers slide a window of MISTRAL_SLIDING keys (count as vLLM does)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(1)
+    config = transformers.MistralConfig(
+        vocab_size=E2E_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=MAX_LEN,
+        sliding_window=MISTRAL_SLIDING, eos_token_id=None, bos_token_id=None, tie_word_embeddings=False,
+    )
+    model_dir = root / "mistral"
+    transformers.MistralForCausalLM(config).save_pretrained(model_dir)
     texts = ["to be or not to be that is the question whether tis nobler in the mind"] * 20
     byte_bpe(texts, E2E_VOCAB).save_pretrained(model_dir)
     return model_dir
@@ -278,13 +389,13 @@ def vllm_runs(tiny_setup):
     return model_dir, json.loads((root / "out.json").read_text()), spec
 
 
-def _hf_logprobs(model_dir, windows, sinks, sequences):
+def _hf_logprobs(model_dir, windows, sinks, sequences, **config_changes):
     """aah.hf's patched model (or the unpatched one for ``windows=None``): per sequence, the
     log-probability of each token given the ones before it, and the argmax and runner-up margin."""
     transformers = pytest.importorskip("transformers")
     from aah import hf
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **config_changes).eval()
     if windows is not None:
         hf.patch(model, torch.tensor(windows), sink_tokens=sinks)
     results = []
@@ -335,6 +446,55 @@ def test_vllm_with_windows_over_every_length_equals_full_attention(vllm_runs):
     windowed = torch.tensor(out["chunked"]["rounds"][0][0]["prompt_logprobs"])
     full = torch.tensor(out["wide"]["rounds"][0][0]["prompt_logprobs"])
     assert (windowed - full).abs().max() > 1e-2
+
+
+@pytest.fixture(scope="module")
+def vllm_process_runs(tiny_setup, byte_bpe):
+    """Engines whose workers run in their own processes: the tiny Llama with tensor_parallel_size=2
+    (each rank runs one KV head and its two query heads, with their windows), and a tiny Mistral
+    (its own sliding window of 24 keys in every layer, windows 5 to 100, 4 sinks in the file)."""
+    root, model_dir, windows, _ = tiny_setup
+    mistral = _tiny_mistral(root, byte_bpe)
+    mistral_windows = _windows_file(root / "mistral.safetensors", mistral, TINY_WINDOWS_MISTRAL, TINY_SINKS)
+    prompts = _prompts([300, 37, 130, 2], seed=4)
+    logprob_round = {"prompts": prompts, "max_tokens": 4, "prompt_logprobs": True}
+    eager = {"enforce_eager": True, "max_model_len": MAX_LEN, "distributed_executor_backend": "mp"}
+    spec = {"model": str(model_dir), "in_process": False, "engines": [
+        {"name": "tp2", "windows": str(windows), "engine_args": {**eager, "tensor_parallel_size": 2},
+         "rounds": [logprob_round]},
+        {"name": "mistral", "model": str(mistral), "windows": str(mistral_windows), "engine_args": eager,
+         "rounds": [logprob_round]},
+    ]}
+    (root / "process_spec.json").write_text(json.dumps(spec))
+    # vLLM binds each CPU worker's threads to a NUMA node by default and refuses two workers on
+    # one node; with the cores named per rank, two ranks share this machine's one node.
+    cores = os.cpu_count() or 1
+    bind = "|".join([f"0-{cores // 2 - 1}", f"{cores // 2}-{cores - 1}"] if cores >= 2 else ["0", "0"])
+    env = {**{k: v for k, v in os.environ.items() if k != "AAH_WINDOWS"}, "VLLM_CPU_OMP_THREADS_BIND": bind}
+    done = subprocess.run(
+        [str(VLLM_PYTHON), "-m", "aah.vllm.runner", str(root / "process_spec.json"), str(root / "process_out.json")],
+        capture_output=True, text=True, timeout=900, env=env,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return model_dir, mistral, json.loads((root / "process_out.json").read_text()), prompts
+
+
+@pytest.mark.slow
+def test_vllm_tensor_parallel_2_equals_the_patched_hf_model(vllm_process_runs):
+    model_dir, _, out, prompts = vllm_process_runs
+    _check_requests(out["tp2"]["rounds"][0], prompts,
+                    lambda seqs: _hf_logprobs(model_dir, TINY_WINDOWS, TINY_SINKS, seqs))
+
+
+@pytest.mark.slow
+def test_vllm_keeps_a_models_own_sliding_window_as_the_patched_hf_model_does(vllm_process_runs):
+    _, mistral, out, prompts = vllm_process_runs
+    _check_requests(out["mistral"]["rounds"][0], prompts,
+                    lambda seqs: _hf_logprobs(mistral, TINY_WINDOWS_MISTRAL, TINY_SINKS, seqs))
+    # and the model's own window matters: the same windows and sinks without it score differently
+    unslid = _hf_logprobs(mistral, TINY_WINDOWS_MISTRAL, TINY_SINKS, [prompts[0]], sliding_window=None)[0][0]
+    got = torch.tensor(out["mistral"]["rounds"][0][0]["prompt_logprobs"], dtype=torch.float64)
+    assert (got - unslid).abs().max() > 1e-2
 
 
 def _free_port() -> int:

@@ -16,7 +16,9 @@ saves. ``csrc/`` holds the compiled replacements:
   way out;
 * :func:`decode_block`: a whole pre-norm block of :mod:`aah.model` (norms,
   projections, attention, MLP, residuals) in one call, which is what
-  ``GPT.forward`` runs for each layer of a decode step.
+  ``GPT.forward`` runs for each layer of a decode step;
+* :func:`paged_attention`: per-head windows and sink tokens over a paged KV
+  cache, the attention :mod:`aah.vllm` runs inside vLLM.
 
 The extension is built with ``torch.utils.cpp_extension`` (a C++ compiler and
 ninja) the first time a process needs it, into ``$TORCH_EXTENSIONS_DIR``
@@ -60,7 +62,7 @@ try:
 except ImportError:  # pragma: no cover
     fcntl = None
 
-__all__ = ["ACTIVATIONS", "LINEAR_ROWS_MAX", "decode_step_label", "linear", "linear_rows", "load", "ring_decode", "ring_decode_packed", "decode_block", "Block", "Rings", "unavailable_reason"]
+__all__ = ["ACTIVATIONS", "LINEAR_ROWS_MAX", "decode_step_label", "linear", "linear_rows", "load", "ring_decode", "ring_decode_packed", "decode_block", "Block", "Rings", "paged_attention", "unavailable_reason"]
 
 _NAME = "aah_ring_decode"
 _CSRC = Path(__file__).with_name("csrc")
@@ -89,10 +91,13 @@ def _capability() -> str:
 
 
 def _flags() -> list[str]:
-    """Optimised, vectorised (``-ffast-math``: the kernel uses no infinities) and threaded; AVX2 where the CPU has it."""
+    """Optimised, vectorised (``-ffast-math``: the kernels use no infinities) and threaded; AVX2, or
+    AVX-512 with 512-bit vectors, where the CPU has it."""
     flags = ["-O3", "-ffast-math", "-fopenmp"]  # OpenMP: ATen's parallel_for runs serially without it
     if _capability().startswith("AVX"):
         flags += ["-mavx2", "-mfma"]
+    if _capability().startswith("AVX512"):
+        flags += ["-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq", "-mprefer-vector-width=512"]
     return flags
 
 
@@ -346,6 +351,35 @@ def ring_decode(
     when the extension is not available (see :func:`load`).
     """
     return _module().ring_decode(q, keys, values, ring_start, capacity, windows, int(length), float(scale))
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    keys_transposed: bool,
+    token_request: torch.Tensor,
+    token_position: torch.Tensor,
+    block_table: torch.Tensor,
+    windows: torch.Tensor,
+    sinks: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of ``query`` (N, H, D) over a paged KV cache, each head with its window and the sinks.
+
+    Token ``t`` belongs to request ``token_request[t]`` (a row of ``block_table``, int32, the
+    pages of its keys in order) at position ``token_position[t]``; query head ``h`` reads KV
+    head ``h // (H // K)`` of ``key_cache``/``value_cache`` (blocks, K, block_size, D), keys
+    ``j <= p`` with ``p - j < windows[h]`` or ``j < sinks``. With ``keys_transposed`` each key
+    page holds ``K^T``. ``query`` and ``out`` may be views whose last axis alone is contiguous.
+    Returns ``out`` (a new (N, H, D) tensor when not given). Raises ``RuntimeError`` when the
+    extension is not available (see :func:`load`).
+    """
+    return _module().paged_attention(
+        query, key_cache, value_cache, bool(keys_transposed), token_request, token_position, block_table,
+        windows, int(sinks), float(scale), out,
+    )
 
 
 class Rings(NamedTuple):

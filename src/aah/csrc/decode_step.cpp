@@ -3,9 +3,11 @@
 // ring_decode: attention of one query per head over per-head-window ring buffers;
 // ring_decode_packed: rotary embedding, ring write and that attention, from a layer's
 // packed QKV projection; linear_rows: the linear layers of a decode step (a few rows);
-// decode_block: one whole pre-norm transformer block of a decode step, in one call.
+// decode_block: one whole pre-norm transformer block of a decode step, in one call;
+// paged_attention: per-head windows and sink tokens over a paged KV cache (aah.vllm).
 
 #include "linear_rows.h"
+#include "paged_attention.h"
 #include "ring_attention.h"
 
 using namespace aah;
@@ -249,10 +251,62 @@ at::Tensor decode_block(const at::Tensor& x, const std::vector<c10::optional<at:
   return y;
 }
 
+// query (N, H, D): the tokens of a step, token t of request token_request[t] at position
+// token_position[t] (N, int64); key_cache, value_cache (blocks, KV heads, block_size, D), the
+// last two axes contiguous (keys_transposed: a key page holds K^T); block_table (R, M) int32;
+// windows (H,) int64 >= 1; sinks >= 0. Writes (N, H, D) into out when given (query and out may
+// be views whose last axis alone is contiguous), else into a new tensor; returns it.
+at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                           bool keys_transposed, const at::Tensor& token_request, const at::Tensor& token_position,
+                           const at::Tensor& block_table, const at::Tensor& windows, int64_t sinks, double scale,
+                           const c10::optional<at::Tensor>& out_given) {
+  TORCH_CHECK(query.device().is_cpu() && query.dim() == 3 && query.stride(2) == 1,
+              "query must be an (N, H, D) CPU tensor with its last axis contiguous");
+  TORCH_CHECK(key_cache.dim() == 4 && value_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
+              "key_cache and value_cache must be (blocks, KV heads, block_size, D)");
+  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() && value_cache.scalar_type() == query.scalar_type(),
+              "query and the caches must share a dtype");
+  TORCH_CHECK(key_cache.size(3) == query.size(2), "the caches' head size must be the query's");
+  for (const at::Tensor* cache : {&key_cache, &value_cache}) {
+    TORCH_CHECK(cache->stride(3) == 1 && cache->stride(2) == cache->size(3),
+                "a page of a KV head must be contiguous");
+  }
+  const int64_t kv_heads = key_cache.size(1);
+  TORCH_CHECK(query.size(1) % kv_heads == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(windows.scalar_type() == at::kLong && windows.numel() == query.size(1) && windows.is_contiguous(),
+              "windows must be a contiguous int64 tensor, one per query head");
+  TORCH_CHECK(token_request.scalar_type() == at::kLong && token_position.scalar_type() == at::kLong &&
+                  token_request.numel() == query.size(0) && token_position.numel() == query.size(0) &&
+                  token_request.is_contiguous() && token_position.is_contiguous(),
+              "token_request and token_position must be contiguous int64, one per query token");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2 && block_table.is_contiguous(),
+              "block_table must be a contiguous (requests, blocks) int32 tensor");
+  TORCH_CHECK(sinks >= 0, "sinks must be >= 0");
+  const int64_t* win = windows.data_ptr<int64_t>();
+  for (int64_t h = 0; h < windows.numel(); ++h) TORCH_CHECK(win[h] >= 1, "every window must be >= 1");
+  const int64_t* req = token_request.data_ptr<int64_t>();
+  const int64_t* pos = token_position.data_ptr<int64_t>();
+  for (int64_t t = 0; t < query.size(0); ++t) {
+    TORCH_CHECK(req[t] >= 0 && req[t] < block_table.size(0), "token_request out of the block table's rows");
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < block_table.size(1) * key_cache.size(2),
+                "token_position beyond the pages of the block table");
+  }
+  at::Tensor out = out_given.has_value() && out_given->defined() ? *out_given : at::empty(query.sizes(), query.options());
+  TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type() && out.stride(2) == 1 &&
+                  out.device().is_cpu(),
+              "out must be a CPU tensor of query's shape and dtype with its last axis contiguous");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_attention", [&] {
+    paged_attention_dispatch<scalar_t>(keys_transposed, query, key_cache, value_cache, token_request,
+                                       token_position, block_table, windows, sinks, scale, out);
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ring_decode", &ring_decode, "one decode step over per-head-window ring buffers");
   m.def("ring_decode_packed", &ring_decode_packed,
         "rotary, ring write and attention of one decode step, from the packed QKV projection");
   m.def("linear_rows", &linear_rows, "activation(x @ weight.T + bias) for a few rows, reading the weight once");
   m.def("decode_block", &decode_block, "one decode step of a pre-norm transformer block, in one call");
+  m.def("paged_attention", &paged_attention, "per-head windows and sink tokens over a paged KV cache");
 }

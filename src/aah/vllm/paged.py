@@ -1,4 +1,4 @@
-"""Per-head windows with sink tokens over vLLM's paged KV cache (pure PyTorch, no vLLM import).
+"""Per-head windows with sink tokens over vLLM's paged KV cache (PyTorch and the compiled kernel, no vLLM import).
 
 vLLM hands an attention layer a batch of requests: request ``r`` has ``q_len`` new query tokens
 at positions ``[seq_len - q_len, seq_len)``, and its keys sit in the pages listed by its row of
@@ -9,9 +9,12 @@ window ``W``) with ``S`` sinks, :func:`windowed_attention` splits each request's
   so a plain sliding-window kernel is exact for them: the ``kernel`` callable (vLLM's CPU
   kernel in :mod:`aah.vllm.backend`) runs them, and with ``S = 0`` it runs every query;
 * the other queries also need the sinks ``j <= p - W`` that fell out of their window; they run
-  here: keys gathered from the pages, sinks and window in one softmax. A request with one new
-  token (a decode step) is batched with the others; a longer chunk runs in blocks of queries,
-  each over the keys its window spans plus the sinks.
+  in the compiled :func:`aah.ring_decode.paged_attention` (one call per window class, or one
+  per layer when all its heads share a window), which reads the window and the sinks straight
+  from the pages. Where the extension cannot be built they run here in PyTorch: keys gathered
+  from the pages, sinks and window in one softmax; a request with one new token (a decode
+  step) batched with the others, a longer chunk in blocks of queries, each over the keys its
+  window spans plus the sinks.
 
 The page layout is vLLM CPU's: ``key_cache`` and ``value_cache`` of shape
 ``(num_blocks, num_kv_heads, block_size, head_size)``; with ``keys_transposed`` each page of a
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .. import ring_decode
 from .plan import LayerPlan, WindowClass
 
 __all__ = ["Batch", "PagedKV", "windowed_attention"]
@@ -112,12 +116,14 @@ def windowed_attention(
     plan: LayerPlan,
     scale: float,
     kernel: Kernel | None = None,
+    compiled: bool = True,
 ) -> torch.Tensor:
     """Write into ``out`` (num_tokens, local query heads, D) the attention of every query head
     over its window and the plan's sinks; ``kernel=None`` computes every query here.
 
-    A layer whose heads all have one window runs its kernel part in one call over all its KV
-    heads (``kv_head=None``); otherwise one call per window class.
+    A layer whose heads all have one window runs its kernel part, and its compiled part, in one
+    call over all its KV heads (``kv_head=None``); otherwise one call per window class.
+    ``compiled=False`` (or an extension that cannot be built) runs this module's PyTorch path.
     """
     sinks = plan.sink_tokens
     uniform = len({cls.window for cls in plan.classes}) == 1
@@ -127,6 +133,15 @@ def windowed_attention(
         else:
             for cls in plan.classes:
                 _run_kernel(query, out, batch, cls.kv_head, _heads_index(cls), cls.window, sinks, kernel)
+    if compiled and ring_decode.load() is not None:
+        if uniform:
+            _run_compiled(query, out, paged, batch, None, slice(None), plan.windows, sinks, scale, kernel is not None)
+        else:
+            for cls in plan.classes:
+                windows = (cls.window,) * len(cls.q_heads)
+                _run_compiled(query, out, paged, batch, cls.kv_head, _heads_index(cls), windows, sinks, scale,
+                              kernel is not None)
+        return out
     for cls in plan.classes:
         _, own = _split(batch, cls.window, sinks, kernel is not None)
         if not own:
@@ -225,6 +240,48 @@ def _scatter(out: torch.Tensor, index: torch.Tensor, heads, res: torch.Tensor) -
         out[index, heads] = res
     else:
         out[index[:, None], torch.tensor(heads)[None, :]] = res
+
+
+def _run_compiled(query, out, paged, batch, kv_head, heads, windows, sinks, scale, with_kernel) -> None:
+    """The queries the kernel does not run, in one call of the compiled paged attention
+    (``kv_head=None``: all of the layer's KV heads and query heads, ``windows`` one per head).
+    When those queries are one run of tokens, the call reads and writes views of ``query`` and
+    ``out``; otherwise it reads a copy and its result is scattered."""
+    inputs = _compiled_inputs(batch, min(windows), sinks, with_kernel)
+    if inputs is None:
+        return
+    tokens, requests, positions = inputs
+    kv = slice(None) if kv_head is None else slice(kv_head, kv_head + 1)
+    run = isinstance(tokens, slice) and isinstance(heads, slice)
+    q = query[tokens, heads] if run else query[tokens][:, heads]
+    res = ring_decode.paged_attention(
+        q, paged.key_cache[:, kv], paged.value_cache[:, kv], paged.keys_transposed, requests, positions,
+        batch.block_table, torch.tensor(windows, dtype=torch.int64), sinks, scale,
+        out=out[tokens, heads] if run else None,
+    )
+    if not run:
+        _scatter(out, torch.arange(out.shape[0])[tokens] if isinstance(tokens, slice) else tokens, heads, res)
+
+
+def _compiled_inputs(batch: Batch, window: int, sinks: int, with_kernel: bool):
+    """The tokens (a slice when they are one run, else an index), request and position of each
+    query the compiled call runs, or ``None`` when it runs none; memoised per step."""
+    key = ("compiled", window, sinks, with_kernel)
+    if key in batch.memo:
+        return batch.memo[key]
+    _, own = _split(batch, window, sinks, with_kernel)
+    result = None
+    if own:
+        spans = [(batch.query_start[r] + first, batch.query_start[r] + batch.query_len[r]) for r, first in own]
+        rows = torch.cat([torch.full((b - a,), r, dtype=torch.int64) for (r, _), (a, b) in zip(own, spans)])
+        positions = torch.cat([torch.arange(batch.context(r) + first, batch.seq_len[r]) for r, first in own])
+        if all(spans[i][1] == spans[i + 1][0] for i in range(len(spans) - 1)):
+            tokens = slice(spans[0][0], spans[-1][1])
+        else:
+            tokens = torch.cat([torch.arange(a, b) for a, b in spans])
+        result = (tokens, rows, positions)
+    batch.memo[key] = result
+    return result
 
 
 def _run_singles(query, out, paged, batch, kv_head, heads, window, singles, sinks, scale) -> None:

@@ -3,7 +3,8 @@
 ``python -m aah.vllm.runner SPEC.json OUT.json`` (in the vLLM environment). The spec is
 ``{"model": DIR, "engines": [ENGINE, ...], "in_process": bool}`` (``in_process``: vLLM's engine
 core and worker run in this process, so vLLM is imported once for all engines); each ``ENGINE`` is
-``{"name": str, "windows": PATH or null, "engine_args": {...}, "rounds": [ROUND, ...]}`` with
+``{"name": str, "windows": PATH or null, "engine_args": {...}, "rounds": [ROUND, ...]}`` (and
+optionally its own ``"model"``) with
 ``ROUND = {"prompts": [[token ids]...], "max_tokens": int, "prompt_logprobs": bool}``. The
 engines run one after the other, each with ``AAH_WINDOWS`` set to its ``windows`` (unset for
 ``null``: vanilla vLLM); the rounds of an engine run in order on the same engine (so a later
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         for engine in spec["engines"]:
             engine.setdefault("engine_args", {}).setdefault("distributed_executor_backend", "uni")
-    result = {engine["name"]: run_engine(spec["model"], engine) for engine in spec["engines"]}
+    result = {engine["name"]: run_engine(engine.get("model", spec["model"]), engine) for engine in spec["engines"]}
     with open(argv[1], "w") as fh:
         json.dump(result, fh)
     return 0
