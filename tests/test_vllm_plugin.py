@@ -303,32 +303,18 @@ def _vllm_unavailable() -> str | None:
     return None
 
 
-def _tiny_model(root: Path, byte_bpe) -> Path:
+def _tiny_model(root: Path, byte_bpe, family: str = "Llama", seed: int = 0, **config) -> Path:
+    """A tiny random model of ``family`` (GQA, head size 64) with a byte-level tokenizer, saved
+    in ``root / family``; ``config`` adds to its configuration (a Mistral's ``sliding_window``)."""
     transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
+    torch.manual_seed(seed)
+    config = getattr(transformers, f"{family}Config")(
         vocab_size=E2E_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=MAX_LEN,
-        eos_token_id=None, bos_token_id=None, tie_word_embeddings=False,
+        eos_token_id=None, bos_token_id=None, tie_word_embeddings=False, **config,
     )
-    model_dir = root / "model"
-    transformers.LlamaForCausalLM(config).save_pretrained(model_dir)
-    texts = ["to be or not to be that is the question whether tis nobler in the mind"] * 20
-    byte_bpe(texts, E2E_VOCAB).save_pretrained(model_dir)
-    return model_dir
-
-
-def _tiny_mistral(root: Path, byte_bpe) -> Path:
-    """A tiny Mistral whose layers slide a window of MISTRAL_SLIDING keys (count as vLLM does)."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(1)
-    config = transformers.MistralConfig(
-        vocab_size=E2E_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=MAX_LEN,
-        sliding_window=MISTRAL_SLIDING, eos_token_id=None, bos_token_id=None, tie_word_embeddings=False,
-    )
-    model_dir = root / "mistral"
-    transformers.MistralForCausalLM(config).save_pretrained(model_dir)
+    model_dir = root / family.lower()
+    getattr(transformers, f"{family}ForCausalLM")(config).save_pretrained(model_dir)
     texts = ["to be or not to be that is the question whether tis nobler in the mind"] * 20
     byte_bpe(texts, E2E_VOCAB).save_pretrained(model_dir)
     return model_dir
@@ -454,7 +440,7 @@ def vllm_process_runs(tiny_setup, byte_bpe):
     (each rank runs one KV head and its two query heads, with their windows), and a tiny Mistral
     (its own sliding window of 24 keys in every layer, windows 5 to 100, 4 sinks in the file)."""
     root, model_dir, windows, _ = tiny_setup
-    mistral = _tiny_mistral(root, byte_bpe)
+    mistral = _tiny_model(root, byte_bpe, "Mistral", seed=1, sliding_window=MISTRAL_SLIDING)
     mistral_windows = _windows_file(root / "mistral.safetensors", mistral, TINY_WINDOWS_MISTRAL, TINY_SINKS)
     prompts = _prompts([300, 37, 130, 2], seed=4)
     logprob_round = {"prompts": prompts, "max_tokens": 4, "prompt_logprobs": True}
