@@ -483,6 +483,39 @@ def test_vllm_keeps_a_models_own_sliding_window_as_the_patched_hf_model_does(vll
     assert (got - unslid).abs().max() > 1e-2
 
 
+def _greedy_request(model_dir, windows, sinks, prompt, steps=2) -> dict:
+    """What the runner writes for ``prompt`` when the engine is exactly the reference model."""
+    tokens = []
+    for _ in range(steps):
+        _, argmax, _ = _hf_logprobs(model_dir, windows, sinks, [prompt + tokens + [0]])[0]
+        tokens.append(int(argmax[len(prompt) + len(tokens) - 1]))
+    picked, _, _ = _hf_logprobs(model_dir, windows, sinks, [prompt + tokens])[0]
+    n = len(prompt)
+    return {"prompt_logprobs": picked[: n - 1].tolist(), "tokens": tokens, "logprobs": picked[n - 1 :].tolist()}
+
+
+def test_bench_check_compares_each_engine_with_transformers(tmp_path, byte_bpe):
+    pytest.importorskip("transformers")
+    from aah.vllm.bench import exactness
+
+    model_dir = _tiny_model(tmp_path, byte_bpe)
+    windows = _windows_file(tmp_path / "w.safetensors", model_dir, TINY_WINDOWS, TINY_SINKS)
+    prompt = _prompts([120], seed=9)[0]
+    requests = {"vanilla": _greedy_request(model_dir, None, 0, prompt),
+                "aah": _greedy_request(model_dir, TINY_WINDOWS, TINY_SINKS, prompt)}
+    report = exactness(model_dir, windows, prompt, requests)
+    for name in ("vanilla", "aah"):
+        assert report[name]["max_abs_logprob_diff"] < 1e-9 and report[name]["greedy_equal"]
+    # each engine is judged against its own reference: the windowed answers are not full attention's
+    swapped = exactness(model_dir, windows, prompt, {"vanilla": requests["aah"], "aah": requests["vanilla"]})
+    assert swapped["vanilla"]["max_abs_logprob_diff"] > 1e-3 and swapped["aah"]["max_abs_logprob_diff"] > 1e-3
+    requests["aah"]["prompt_logprobs"][5] += 0.01
+    requests["aah"]["tokens"][-1] = (requests["aah"]["tokens"][-1] + 1) % E2E_VOCAB
+    report = exactness(model_dir, windows, prompt, requests)
+    assert report["aah"]["max_abs_logprob_diff"] >= 0.01 - 1e-9
+    assert not report["aah"]["greedy_equal"] and report["vanilla"]["greedy_equal"]
+
+
 def _free_port() -> int:
     import socket
 

@@ -14,6 +14,12 @@ of ``--seq-len`` tokens:
 JSON keys: ``config``; ``vanilla`` and ``aah``, each with ``prefill_tok_s``, ``decode_tok_s``,
 ``prefill_s`` and ``decode_s`` (every round) and ``startup_s``; top-level ``prefill_speedup``
 and ``decode_speedup`` (``aah`` over ``vanilla``).
+
+``--check`` adds one more round to each engine, a fresh ``--seq-len`` prompt with its prompt
+log-probabilities and 4 greedy tokens, and compares them with transformers in this process
+(``aah.hf``'s patched model for ``aah``, the unpatched model for ``vanilla``): the key
+``exactness`` holds, per engine, ``max_abs_logprob_diff`` and ``mean_abs_logprob_diff`` over
+the prompt and generated tokens, and ``greedy_equal``.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import torch
 
 from ..errors import CLIError
 
-__all__ = ["add_command", "main", "run", "vllm_python"]
+__all__ = ["add_command", "exactness", "main", "run", "vllm_python"]
 
 
 def vllm_python(explicit: str | None = None) -> Path:
@@ -53,6 +59,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3, help="timed rounds of each kind (default 3)")
     p.add_argument("--kv-cache-gib", type=int, default=4, help="KV cache space of each engine in GiB (default 4)")
     p.add_argument("--vllm-python", default=None, help="interpreter of the vLLM environment (default .venv-vllm)")
+    p.add_argument("--check", action="store_true",
+                   help="also compare each engine's log-probabilities with transformers (aah.hf for the windows)")
     p.add_argument("--json", default=None, help="write the results here as JSON")
 
 
@@ -78,6 +86,10 @@ def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(count)]
 
 
+#: Greedy tokens generated after the prompt of ``--check``.
+CHECK_TOKENS = 4
+
+
 def _engine_rounds(args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
     rounds = [{"prompts": _prompts(1, 64, vocab, 0), "max_tokens": 2}]  # warm-up
     for r in range(args.rounds):
@@ -86,7 +98,40 @@ def _engine_rounds(args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]
         prompts = _prompts(args.decode_batch, args.seq_len, vocab, 200 + r)
         rounds.append({"prompts": prompts, "max_tokens": 1})
         rounds.append({"prompts": prompts, "max_tokens": args.new_tokens})
+    if args.check:
+        rounds.append({"prompts": _prompts(1, args.seq_len, vocab, 300), "max_tokens": CHECK_TOKENS,
+                       "prompt_logprobs": True})
     return rounds
+
+
+def exactness(model_dir: str | Path, windows: str | Path, prompt: list[int],
+              requests: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Compare each engine's request (``prompt_logprobs``, ``tokens``, ``logprobs``, as
+    :mod:`aah.vllm.runner` writes them) on ``prompt`` with transformers in float32: ``aah``
+    with ``aah.hf``'s patched model on ``windows``, ``vanilla`` with the unpatched model."""
+    from .. import hf
+    from ..hf._transformers import require
+
+    transformers = require()
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    report = {}
+    for name in ("vanilla", "aah"):
+        if name not in requests:
+            continue
+        if name == "aah":
+            hf.patch(model, str(windows))
+        request = requests[name]
+        sequence = list(prompt) + list(request["tokens"])
+        with torch.no_grad():
+            logp = model(torch.tensor([sequence])).logits[0].double().log_softmax(-1)
+        picked = logp[:-1].gather(1, torch.tensor(sequence[1:])[:, None])[:, 0]
+        got = torch.tensor(request["prompt_logprobs"] + request["logprobs"], dtype=torch.float64)
+        diff = (got - picked[: len(got)]).abs()
+        n = len(prompt)
+        greedy = logp[n - 1 : n - 1 + len(request["tokens"])].argmax(-1).tolist()
+        report[name] = {"max_abs_logprob_diff": float(diff.max()), "mean_abs_logprob_diff": float(diff.mean()),
+                        "greedy_equal": greedy == list(request["tokens"])}
+    return report
 
 
 def _summary(args: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any]:
@@ -140,6 +185,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     for name in ("vanilla", "aah"):
         report[name] = _summary(args, results[name])
+    if args.check:
+        prompt = rounds[-1]["prompts"][0]
+        report["exactness"] = exactness(args.model, args.windows, prompt,
+                                        {name: results[name]["rounds"][-1][0] for name in ("vanilla", "aah")})
     report["prefill_speedup"] = report["aah"]["prefill_tok_s"] / report["vanilla"]["prefill_tok_s"]
     if report["aah"]["decode_tok_s"] and report["vanilla"]["decode_tok_s"]:
         report["decode_speedup"] = report["aah"]["decode_tok_s"] / report["vanilla"]["decode_tok_s"]
