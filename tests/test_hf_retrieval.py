@@ -16,7 +16,7 @@ from aah.data.corpora import CorpusNotFoundError  # noqa: E402
 from aah.hf.evaluate import Setting  # noqa: E402
 from aah.hf.retrieval import REPEAT_FILLER, TASKS, Sample, build_sample, build_samples, is_correct  # noqa: E402
 from aah.hf.retrieval_eval import generate_answers, score, wilson_interval  # noqa: E402
-from aah.hf.windows_file import model_signature, save_windows  # noqa: E402
+from aah.hf.windows_file import load_windows, model_signature, save_windows  # noqa: E402
 
 REPEAT_TASKS = [t for t in TASKS if t != "niah_text"]
 
@@ -215,6 +215,35 @@ def test_retrieval_command_writes_json_and_heatmap(model_dir, tmp_path, capsys):
     assert report["results"]["full"]["passkey"]["correct"] == sum(flags)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| aah | passkey |" in capsys.readouterr().out
+
+
+def test_retrieval_answers_journal_resumes_a_stopped_run(model_dir, tmp_path, monkeypatch, capsys):
+    from aah.hf import retrieval_eval
+
+    journal = tmp_path / "answers.jsonl"
+    base = ["hf", "retrieval", str(model_dir / "model"), "--tasks", "passkey", "--lengths", "350",
+            "--depths", "0.1,0.9", "--trials", "1", "--settings", "full,aah", "--answers", str(journal)]
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    assert main([*base, "--windows", str(model_dir / "w.safetensors"), "--json", str(first)]) == 0
+    assert len(journal.read_text().splitlines()) == 4  # 2 samples x 2 settings, written as they came
+    # a crash mid-write leaves a cut line; the run after it decodes nothing again
+    with journal.open("a") as fh:
+        fh.write('{"key": "cut sho')
+
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("an answer in the journal was decoded again")
+
+    monkeypatch.setattr(retrieval_eval, "generate_answers", no_decoding)
+    assert main([*base, "--windows", str(model_dir / "w.safetensors"), "--json", str(second)]) == 0
+    a, b = json.loads(first.read_text()), json.loads(second.read_text())
+    assert a["results"] == b["results"] and a["samples"] == b["samples"]
+    # other windows are another run: their answers are decoded, not taken from the journal
+    other = tmp_path / "other.safetensors"
+    windows, meta = load_windows(model_dir / "w.safetensors")
+    save_windows(other, windows.clamp(max=40), meta)
+    with pytest.raises(AssertionError, match="decoded again"):
+        main([*base, "--windows", str(other)])
+    capsys.readouterr()
 
 
 def _error(argv, capsys) -> str:

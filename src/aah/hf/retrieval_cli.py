@@ -4,6 +4,7 @@ attention, the calibrated windows and one uniform window at the same causal cove
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -41,6 +42,9 @@ def add_command(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-' for stdout)")
     p.add_argument("--heatmap", metavar="FILE", help="depth x length accuracy heatmaps (PNG)")
+    p.add_argument("--answers", metavar="FILE",
+                   help="keep every answer in FILE (JSON lines) as it is decoded and reuse those already there: "
+                        "a stopped run resumes where it stopped")
     p.set_defaults(func=_retrieval)
 
 
@@ -75,7 +79,7 @@ def _retrieval(args: argparse.Namespace) -> int:
 
     from .evaluate import Setting, uniform_setting
     from .retrieval import build_samples
-    from .retrieval_eval import draw_heatmaps, run_settings, score, setting_facts
+    from .retrieval_eval import AnswerJournal, draw_heatmaps, run_settings, score, setting_facts
     from .windows_file import check_windows_for, load_windows
 
     try:
@@ -94,11 +98,15 @@ def _retrieval(args: argparse.Namespace) -> int:
         samples = build_samples(tokenizer, tasks, lengths, depths, args.trials, seed=args.seed)
     except ValueError as exc:
         raise CLIError(f"--lengths: {exc}") from None
-    for path in (args.json, args.heatmap):
+    for path in (args.json, args.heatmap, args.answers):
         if path and path != "-" and not Path(path).parent.is_dir():
             raise CLIError(f"cannot write {path}: no folder {Path(path).parent}")
     model = load_model()
     aah = Setting("aah", windows, int(meta["sink_tokens"]))
+    journal = None
+    if args.answers:
+        tag = hashlib.sha256(Path(args.windows).read_bytes() + str(Path(args.model_dir).resolve()).encode()).hexdigest()
+        journal = AnswerJournal(args.answers, tag[:16])
     outputs: dict[str, list[str]] = {name: [] for name in wanted}
     facts: dict[str, dict[str, dict]] = {name: {} for name in wanted}
     for length in lengths:
@@ -107,7 +115,7 @@ def _retrieval(args: argparse.Namespace) -> int:
             settings["uniform"] = uniform_setting(model, aah, length)
         chosen = [settings[name] for name in wanted]
         group = [s for s in samples if s.length == length]
-        for name, texts in run_settings(model, tokenizer, chosen, group).items():
+        for name, texts in run_settings(model, tokenizer, chosen, group, journal=journal).items():
             outputs[name].extend(texts)
         for setting in chosen:
             facts[setting.name][str(length)] = setting_facts(model, setting, length)

@@ -8,10 +8,17 @@ settings see the same samples, so their accuracies are paired.
 
 Accuracies come with Wilson 95% score intervals over the trials behind them: overall, by
 length, by depth and per (length, depth) cell, which the heatmap draws.
+
+A long run can keep a journal (:class:`AnswerJournal`, ``aah hf retrieval --answers FILE``):
+every answer is appended to it as soon as it is decoded, and a run given the same journal
+reuses the answers already there (same setting, prompt tokens and run tag), so a run that is
+stopped, crashes or is split by settings loses nothing.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,7 +30,8 @@ from .evaluate import Setting
 from .patching import executed_coverage
 from .retrieval import Sample, is_correct
 
-__all__ = ["wilson_interval", "generate_answers", "run_settings", "score", "draw_heatmaps", "depth_key"]
+__all__ = ["AnswerJournal", "wilson_interval", "generate_answers", "run_settings", "score", "draw_heatmaps",
+           "depth_key"]
 
 _Z95 = 1.959963984540054
 
@@ -59,18 +67,61 @@ def generate_answers(model, setting: Setting, sample: Sample, tokenizer) -> str:
     return tokenizer.decode(out, skip_special_tokens=True)
 
 
+class AnswerJournal:
+    """Answers already decoded, kept in a JSON-lines file: one ``{"key", "text"}`` per line.
+
+    An answer's key is the run ``tag`` (what else decides it: the model and the windows
+    file), the setting's name and a digest of the sample's prompt tokens and answer length.
+    A line cut short by a crash is ignored.
+    """
+
+    def __init__(self, path: str | Path, tag: str) -> None:
+        self.path, self.tag = Path(path), tag
+        self.done: dict[str, str] = {}
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    entry = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(entry, dict) and isinstance(entry.get("text"), str):
+                    self.done[str(entry.get("key"))] = entry["text"]
+
+    def key(self, setting: str, sample: Sample) -> str:
+        prompt = hashlib.sha256(json.dumps([sample.input_ids, sample.max_new_tokens]).encode()).hexdigest()[:20]
+        return f"{self.tag}|{setting}|{prompt}"
+
+    def get(self, setting: str, sample: Sample) -> str | None:
+        return self.done.get(self.key(setting, sample))
+
+    def add(self, setting: str, sample: Sample, text: str) -> None:
+        key = self.key(setting, sample)
+        self.done[key] = text
+        with self.path.open("a") as fh:
+            fh.write(json.dumps({"key": key, "text": text}) + "\n")
+
+
 def run_settings(model, tokenizer, settings: Sequence[Setting], samples: Sequence[Sample],
-                 *, progress: bool = True) -> dict[str, list[str]]:
-    """``{setting name: [output text of each sample]}``; the model is left unpatched."""
+                 *, progress: bool = True, journal: AnswerJournal | None = None) -> dict[str, list[str]]:
+    """``{setting name: [output text of each sample]}``; the model is left unpatched. With a
+    ``journal``, answers found there are reused and new ones are added to it as they come."""
     outputs: dict[str, list[str]] = {}
     bar = tqdm(total=len(settings) * len(samples), desc="retrieval", disable=not progress)
     try:
         for setting in settings:
-            setting.apply(model)
             outputs[setting.name] = []
+            applied = False
             for sample in samples:
-                bar.set_postfix_str(f"{setting.name} {sample.task} {sample.length}", refresh=False)
-                outputs[setting.name].append(generate_answers(model, setting, sample, tokenizer))
+                text = journal.get(setting.name, sample) if journal is not None else None
+                if text is None:
+                    if not applied:
+                        setting.apply(model)
+                        applied = True
+                    bar.set_postfix_str(f"{setting.name} {sample.task} {sample.length}", refresh=False)
+                    text = generate_answers(model, setting, sample, tokenizer)
+                    if journal is not None:
+                        journal.add(setting.name, sample, text)
+                outputs[setting.name].append(text)
                 bar.update()
     finally:
         bar.close()
