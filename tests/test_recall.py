@@ -24,29 +24,37 @@ def _base(num_blocks: int = 40, seq_len: int = T) -> TokenDataset:
     return TokenDataset(alphabet[rng.integers(0, len(alphabet), num_blocks * seq_len + 1)], seq_len)
 
 
-def _parse(block: bytes) -> tuple[dict, list]:
+#: An episode's key, by key format: ``k37=`` or one byte of 0x80..0xff.
+KEY_PATTERN = {"digits": rb"k(\d\d)=", "byte": rb"([\x80-\xff])"}
+
+
+def _parse(block: bytes, keys: str = "digits") -> tuple[dict, list]:
     """Definitions {key: (value start, value)} and queries [(key, value start, value)] of a block."""
-    defs = {m.group(1): (m.start(2), m.group(2)) for m in re.finditer(rb"#k(\d\d)=([a-z]+);", block)}
-    queries = [(m.group(1), m.start(2), m.group(2)) for m in re.finditer(rb"\?k(\d\d)=([a-z]+);", block)]
+    key = KEY_PATTERN[keys]
+    defs = {m.group(1): (m.start(2), m.group(2)) for m in re.finditer(rb"#" + key + rb"([a-z]+);", block)}
+    queries = [(m.group(1), m.start(2), m.group(2)) for m in re.finditer(rb"\?" + key + rb"([a-z]+);", block)]
     return defs, queries
 
 
 SPEC = RecallSpec(fraction=0.12, pairs=4, value_len=3, seed=7)
 
 
-def test_episodes_are_well_formed_and_annotated_as_parsed():
-    ds = RecallDataset(_base(), SPEC, "train")
+@pytest.mark.parametrize("keys", ["digits", "byte"])
+def test_episodes_are_well_formed_and_annotated_as_parsed(keys):
+    spec = RecallSpec(fraction=0.12 if keys == "digits" else 0.08, pairs=4, value_len=3, seed=7, keys=keys)
+    assert spec.episode_len == (9 if keys == "digits" else 6)
+    ds = RecallDataset(_base(), spec, "train")
     blocks = list(range(len(ds)))
     windows = ds.window(blocks)
     kind, distance, query = ds.annotations(blocks)
     seen_far = 0
     for row, w in enumerate(windows):
         raw = bytes(w.astype(np.uint8))
-        defs, queries = _parse(raw)
+        defs, queries = _parse(raw, keys)
         if not queries:
             assert not defs and (kind[row] == TEXT).all()
             continue
-        assert len(defs) == len(queries) == SPEC.pairs  # distinct keys, each defined and queried once
+        assert len(defs) == len(queries) == spec.pairs  # distinct keys, each defined and queried once
         expect_value = np.zeros(T + 1, dtype=bool)
         expect_dist = np.full(T + 1, -1)
         for key, start, value in queries:
@@ -58,9 +66,9 @@ def test_episodes_are_well_formed_and_annotated_as_parsed():
         # targets are tokens 1..T of the block
         np.testing.assert_array_equal(kind[row] == VALUE, expect_value[1:])
         np.testing.assert_array_equal(distance[row], expect_dist[1:])
-        assert set(np.unique(query[row][expect_value[1:]])) == set(range(SPEC.pairs))
+        assert set(np.unique(query[row][expect_value[1:]])) == set(range(spec.pairs))
         episode = np.zeros(T + 1, dtype=bool)
-        for m in re.finditer(rb"[#?]k\d\d=[a-z]+;", raw):
+        for m in re.finditer(rb"[#?]" + KEY_PATTERN[keys] + rb"[a-z]+;", raw):
             episode[m.start() : m.end()] = True
         np.testing.assert_array_equal(kind[row] != TEXT, episode[1:])
         assert ((kind[row] == MARKUP) == (episode[1:] & ~expect_value[1:])).all()
@@ -119,6 +127,8 @@ def test_log_uniform_distances_are_shorter_than_uniform():
         (RecallSpec(distance="far"), "data.recall_distance"),
         (RecallSpec(fraction=0.5, pairs=4), "data.recall_fraction"),
         (RecallSpec(fraction=0.0, pairs=4), "data.recall_fraction"),
+        (RecallSpec(keys="letters"), "data.recall_keys"),
+        (RecallSpec(keys="byte", pairs=129), "data.recall_pairs"),
     ],
 )
 def test_spec_errors_name_the_field(spec, field):
@@ -133,6 +143,7 @@ def test_spec_errors_name_the_field(spec, field):
         ("data.recall_pairs=200", "data.recall_pairs"),
         ("data.recall_fraction=0.9", "data.recall_fraction"),
         ("data.tokenizer=bpe", "data.tokenizer"),
+        ("data.recall_keys=letters", "data.recall_keys"),
     ],
 )
 def test_config_rejects_bad_recall_knobs(override, field):
@@ -143,7 +154,9 @@ def test_config_rejects_bad_recall_knobs(override, field):
 def test_config_recall_spec_round_trip():
     cfg = load_config(None, ["data.corpus=shakespeare_recall", "data.recall_pairs=6", "data.recall_seed=3"])
     spec = cfg.data.recall_spec()
-    assert (spec.pairs, spec.seed, spec.fraction) == (6, 3, 0.1)
+    assert (spec.pairs, spec.seed, spec.fraction, spec.keys) == (6, 3, 0.1, "digits")
+    cfg = load_config(None, ["data.corpus=shakespeare_recall", "data.recall_keys=byte", "data.recall_fraction=0.09"])
+    assert cfg.data.recall_spec().keys == "byte"
 
 
 # --------------------------------------------------------------------------- metrics

@@ -38,6 +38,7 @@ from . import regimes
 from .controller.budget import check_budget, check_budget_layout
 from .controller.config import BUDGET_SCORINGS, ControllerConfig
 from .data.recall import DISTANCES as RECALL_DISTANCES
+from .data.recall import KEY_FORMATS as RECALL_KEY_FORMATS
 from .data.recall import RECALL_CORPORA, RecallSpec
 from .model import GPTConfig
 from .windows import candidate_windows
@@ -351,12 +352,13 @@ class DataConfig(_Section):
     recall_value_len: int = 3
     recall_distance: str = "uniform"
     recall_seed: int = 0
+    recall_keys: str = "digits"
 
     def recall_spec(self) -> RecallSpec:
         """The recall task's knobs as a :class:`~aah.data.recall.RecallSpec`."""
         return RecallSpec(
             fraction=self.recall_fraction, pairs=self.recall_pairs, value_len=self.recall_value_len,
-            distance=self.recall_distance, seed=self.recall_seed,
+            distance=self.recall_distance, seed=self.recall_seed, keys=self.recall_keys,
         )
 
     def _validate(self) -> None:
@@ -375,6 +377,7 @@ class DataConfig(_Section):
 
     def _validate_recall(self) -> None:
         _one_of(self.key("recall_distance"), self.recall_distance, RECALL_DISTANCES)
+        _one_of(self.key("recall_keys"), self.recall_keys, RECALL_KEY_FORMATS)
         recall = [c for c in (self.corpus, self.val_corpus) if c in RECALL_CORPORA]
         if not recall:
             return

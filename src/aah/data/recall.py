@@ -23,8 +23,14 @@ them):
 
 A fraction ``fraction * T / (2 * pairs * E)`` of the blocks carries episodes
 (``E`` bytes per episode), so ``fraction`` is the share of all tokens that lie
-in episodes. Keys are ``k00`` .. ``k99`` (distinct within a block), values
-``value_len`` lowercase letters.
+in episodes. Values are ``value_len`` lowercase letters. Keys (distinct within a
+block) are written as ``keys`` says: ``digits``, ``k00`` .. ``k99`` between the
+marker and ``=`` (``#k37=qfz;``: the query's value follows ``=``, as in every
+episode, so finding the definition takes matching three bytes back); or
+``byte``, one byte of ``0x80`` .. ``0xff``, which plain ASCII text never holds,
+right before the value (``#\x9bqfz;``: the value follows a byte that occurs
+nowhere else in the block but in its definition, the case a single induction
+head solves).
 
 :meth:`RecallDataset.annotations` labels every target: :data:`TEXT` (a byte of
 the corpus), :data:`MARKUP` (definition bytes and the query's ``?k37=`` and
@@ -45,6 +51,7 @@ from .loader import TokenDataset
 
 __all__ = [
     "DISTANCES",
+    "KEY_FORMATS",
     "MARKUP",
     "RECALL_CORPORA",
     "RecallDataset",
@@ -61,21 +68,24 @@ RECALL_CORPORA = {"shakespeare_recall": "shakespeare", "bible_recall": "bible"}
 #: How the definition-to-query distance is drawn: uniform over the possible
 #: distances, or log-uniform (as many distances in [d, 2d) as in [2d, 4d)).
 DISTANCES = ("uniform", "log_uniform")
+#: How keys are written: ``k00``..``k99`` then ``=``, or one byte of 0x80..0xff.
+KEY_FORMATS = ("digits", "byte")
 #: Annotation codes of a target.
 TEXT, MARKUP, VALUE = 0, 1, 2
 #: Distance buckets of the recall accuracy, as fractions of the block length T.
 BUCKET_NAMES = ("lt_quarter", "quarter_half", "gt_half")
 
 _KEY_DIGITS = 2
-_MAX_PAIRS = 10**_KEY_DIGITS
+_MAX_PAIRS = {"digits": 10**_KEY_DIGITS, "byte": 128}
+_FIRST_KEY_BYTE = 0x80
 _LETTERS = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", dtype=np.uint8)
 _SPLIT_CODE = {"train": 0, "val": 1, "all": 2}
 _PLACEMENT_TRIES = 400
 
 
-def episode_length(value_len: int) -> int:
-    """Bytes of one episode: ``#k37=`` (5), the value, ``;``."""
-    return 2 + _KEY_DIGITS + 1 + value_len + 1
+def episode_length(value_len: int, keys: str = "digits") -> int:
+    """Bytes of one episode: ``#k37=`` (5) or ``#`` and the key byte (2), the value, ``;``."""
+    return (2 + _KEY_DIGITS + 1 if keys == "digits" else 2) + value_len + 1
 
 
 def distance_bucket(distance: np.ndarray | int, seq_len: int) -> np.ndarray:
@@ -93,23 +103,31 @@ class RecallSpec:
     value_len: int = 3
     distance: str = "uniform"
     seed: int = 0
+    keys: str = "digits"
+
+    @property
+    def episode_len(self) -> int:
+        return episode_length(self.value_len, self.keys)
 
     def validate(self, seq_len: int, prefix: str = "data.recall_") -> None:
         """Raise ``ValueError`` naming the field for knobs that cannot work at block length ``seq_len``."""
-        if not 1 <= self.pairs <= _MAX_PAIRS:
-            raise ValueError(f"{prefix}pairs: must be in 1..{_MAX_PAIRS} (keys k00..k99), got {self.pairs}")
+        if self.keys not in KEY_FORMATS:
+            raise ValueError(f"{prefix}keys: must be one of {', '.join(KEY_FORMATS)}; got {self.keys!r}")
+        most_pairs = _MAX_PAIRS[self.keys]
+        if not 1 <= self.pairs <= most_pairs:
+            raise ValueError(f"{prefix}pairs: must be in 1..{most_pairs} (distinct {self.keys} keys), got {self.pairs}")
         if self.value_len < 1:
             raise ValueError(f"{prefix}value_len: must be >= 1, got {self.value_len}")
         if self.distance not in DISTANCES:
             raise ValueError(f"{prefix}distance: must be one of {', '.join(DISTANCES)}; got {self.distance!r}")
         if self.seed < 0:
             raise ValueError(f"{prefix}seed: must be >= 0, got {self.seed}")
-        per_block = 2 * self.pairs * episode_length(self.value_len)
+        per_block = 2 * self.pairs * self.episode_len
         if per_block * 2 > seq_len + 1:
             raise ValueError(
-                f"{prefix}pairs: {self.pairs} pairs of {episode_length(self.value_len)}-byte episodes take "
+                f"{prefix}pairs: {self.pairs} pairs of {self.episode_len}-byte episodes take "
                 f"{per_block} of the {seq_len + 1} tokens of a block; at most half may be episodes, so use "
-                f"at most {(seq_len + 1) // (4 * episode_length(self.value_len))} pairs or a longer data.seq_len"
+                f"at most {(seq_len + 1) // (4 * self.episode_len)} pairs or a longer data.seq_len"
             )
         most = per_block / seq_len
         if not 0.0 < self.fraction <= most:
@@ -120,7 +138,7 @@ class RecallSpec:
 
     def block_share(self, seq_len: int) -> float:
         """Fraction of the blocks that carry episodes."""
-        return min(1.0, self.fraction * seq_len / (2 * self.pairs * episode_length(self.value_len)))
+        return min(1.0, self.fraction * seq_len / (2 * self.pairs * self.episode_len))
 
 
 @dataclass(frozen=True)
@@ -140,7 +158,7 @@ class RecallDataset(TokenDataset):
         super().__init__(base.tokens, base.seq_len)
         self.spec = spec
         self.split = split
-        self.episode_len = episode_length(spec.value_len)
+        self.episode_len = spec.episode_len
         self._share = spec.block_share(base.seq_len)
 
     # ------------------------------------------------------------------ generation
@@ -176,11 +194,14 @@ class RecallDataset(TokenDataset):
             def_starts.append(a)
             query_starts.append(a + d)
             dists.append(d)
-        keys = rng.choice(_MAX_PAIRS, size=P, replace=False)
+        keys = rng.choice(_MAX_PAIRS[self.spec.keys], size=P, replace=False)
         values = _LETTERS[rng.integers(0, len(_LETTERS), size=(P, self.spec.value_len))]
         content = np.empty((2 * P, E), dtype=np.int64)
         for p in range(P):
-            key = b"k%0*d=" % (_KEY_DIGITS, int(keys[p]))
+            if self.spec.keys == "digits":
+                key = b"k%0*d=" % (_KEY_DIGITS, int(keys[p]))
+            else:
+                key = bytes([_FIRST_KEY_BYTE + int(keys[p])])
             body = np.frombuffer(key, dtype=np.uint8).astype(np.int64)
             tail = np.concatenate([body, values[p].astype(np.int64), [ord(";")]])
             content[p] = np.concatenate([[ord("#")], tail])
