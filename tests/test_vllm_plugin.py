@@ -353,7 +353,7 @@ def vllm_runs(tiny_setup):
     """One vLLM subprocess, three engines: windows with chunked prefill and prefix caching, windows
     with neither, and windows >= every length (vanilla attention)."""
     root, model_dir, windows, wide = tiny_setup
-    first = _prompts([300, 37, 130, 2, 90, 200], seed=1)  # a mixed batch
+    first = _prompts([460, 37, 130, 2, 90, 200], seed=1)  # a mixed batch, the longest near the context (512)
     second = [first[0] + _prompts([40], 2)[0], first[5][:150] + _prompts([20], 3)[0]]  # prefix-cache hits
     eager = {"enforce_eager": True, "max_model_len": MAX_LEN}
     chunked = {**eager, "enable_prefix_caching": True, "enable_chunked_prefill": True, "max_num_batched_tokens": 64}
