@@ -54,6 +54,22 @@ struct RowState {
   acc_t total;
   bool started;
   acc_t* acc;  // D weighted values
+
+  // Before folding in keys whose largest score is `chunk_top`: start the row there, or raise
+  // its maximum to it, shrinking what is summed so far.
+  void raise_to(acc_t chunk_top, int64_t dim) {
+    if (!started) {
+      started = true;
+      top = chunk_top;
+      total = 0;
+      std::fill(acc, acc + dim, acc_t(0));
+    } else if (chunk_top > top) {
+      const acc_t shrink = std::exp(top - chunk_top);
+      total *= shrink;
+      for (int64_t d = 0; d < dim; ++d) acc[d] *= shrink;
+      top = chunk_top;
+    }
+  }
 };
 
 template <typename scalar_t, int64_t kDim, bool kTransposed>
@@ -90,17 +106,7 @@ struct PagedReader {
     const int64_t d_end = kDim > 0 ? kDim : dim;
     acc_t top = score[0];
     for (int64_t k = 1; k < n; ++k) top = std::max(top, score[k]);
-    if (!row.started) {
-      row.started = true;
-      row.top = top;
-      row.total = 0;
-      std::fill(row.acc, row.acc + d_end, acc_t(0));
-    } else if (top > row.top) {
-      const acc_t shrink = std::exp(row.top - top);
-      row.total *= shrink;
-      for (int64_t d = 0; d < d_end; ++d) row.acc[d] *= shrink;
-      row.top = top;
-    }
+    row.raise_to(top, d_end);
     acc_t total = 0;
     for (int64_t k = 0; k < n; ++k) {
       score[k] = std::exp(score[k] - row.top);
@@ -231,11 +237,20 @@ struct TileRows {
 };
 
 // The rows of one tile: scaled queries, visible intervals and running softmax, padded to a
-// multiple of six rows (padding rows see nothing).
+// multiple of six rows (padding rows see nothing). One per thread, refilled for each tile.
 struct TileState {
-  std::vector<float> qs, acc, top, total;
+  std::vector<float> qs, acc;
+  std::vector<RowState<float>> rows;
   std::vector<int64_t> lo, hi;  // row r sees [lo, hi) in the current pass
-  std::vector<char> started;
+  std::vector<int64_t> window_lo, sink_end;  // row r's window starts at window_lo, its sinks end at sink_end
+
+  void reset(int64_t rows_padded, int64_t dim) {
+    qs.assign(rows_padded * dim, 0.0f);
+    acc.assign(rows_padded * dim, 0.0f);
+    rows.assign(rows_padded, RowState<float>{0.0f, 0.0f, false, nullptr});
+    for (int64_t r = 0; r < rows_padded; ++r) rows[r].acc = acc.data() + r * dim;
+    for (auto* v : {&lo, &hi, &window_lo, &sink_end}) v->assign(rows_padded, 0);
+  }
 };
 
 template <int64_t kDim>
@@ -267,27 +282,17 @@ void tile_pass(const float* kt_head, const float* v_head, int64_t key_block_stri
         }
         float top = sc[ra];
         for (int64_t k = 0; k < kTileKeys; ++k) top = std::max(top, sc[k]);
-        float* acc = st.acc.data() + r * kDim;
-        if (!st.started[r]) {
-          st.started[r] = 1;
-          st.top[r] = top;
-          st.total[r] = 0;
-          std::fill(acc, acc + kDim, 0.0f);
-        } else if (top > st.top[r]) {
-          const float shrink = std::exp(st.top[r] - top);
-          st.total[r] *= shrink;
-          for (int64_t d = 0; d < kDim; ++d) acc[d] *= shrink;
-          st.top[r] = top;
-        }
+        RowState<float>& row = st.rows[r];
+        row.raise_to(top, kDim);
         Lanes total = {};
         for (int64_t k = 0; k < kTileKeys; k += 16) {
-          const Lanes w = exp_lanes(load_lanes(sc + k) - st.top[r]);
+          const Lanes w = exp_lanes(load_lanes(sc + k) - row.top);
           store_lanes(sc + k, w);
           total += w;
         }
         float sum = 0;
         for (int64_t j = 0; j < 16; ++j) sum += total[j];
-        st.total[r] += sum;
+        row.total += sum;
       }
       TileRows<kDim>::weigh(score, vp, a, b, st.acc.data() + r0 * kDim);
     }
@@ -317,14 +322,9 @@ void paged_tiles(HeadRows<const float> q_rows, const float* key_cache, const flo
       const auto [t0, t1] = runs[i / kv_heads];
       const int64_t kv = i % kv_heads, n = (t1 - t0) * group;
       const int64_t rows = (n + kTileRows - 1) / kTileRows * kTileRows;
-      st.qs.assign(rows * kDim, 0.0f);
-      st.acc.assign(rows * kDim, 0.0f);
-      st.top.assign(rows, 0.0f);
-      st.total.assign(rows, 0.0f);
-      st.started.assign(rows, 0);
-      st.lo.assign(rows, 0);
-      st.hi.assign(rows, 0);
-      std::vector<int64_t> window_lo(rows, 0), sink_end(rows, 0);
+      st.reset(rows, kDim);
+      std::vector<int64_t>& window_lo = st.window_lo;
+      std::vector<int64_t>& sink_end = st.sink_end;
       int64_t first = pos[t1 - 1] + 1, last = 0, sinks_last = 0;
       for (int64_t r = 0; r < n; ++r) {
         const int64_t t = t0 + r / group, h = kv * group + r % group;
@@ -352,7 +352,7 @@ void paged_tiles(HeadRows<const float> q_rows, const float* key_cache, const flo
       for (int64_t r = 0; r < n; ++r) {
         const int64_t t = t0 + r / group, h = kv * group + r % group;
         float* op = o_rows.at(t, h);
-        const float inv = 1.0f / st.total[r];
+        const float inv = 1.0f / st.rows[r].total;
         for (int64_t d = 0; d < kDim; ++d) op[d] = st.acc[r * kDim + d] * inv;
       }
     }
