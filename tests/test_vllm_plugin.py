@@ -592,3 +592,45 @@ def test_bench_command_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "config.json").write_text("{}")
     assert bench_main([str(tmp_path), "--windows", str(tmp_path / "w.safetensors"), "--rounds", "0"]) == 2
     assert capsys.readouterr().err.strip() == "aah bench vllm: --rounds must be >= 1, got 0"
+
+
+def test_bench_json_keys_and_speedups_from_the_engines_timings(tmp_path, monkeypatch):
+    # The runner is replaced by one that answers every round with fixed engine timings: vanilla
+    # prefills in 2 s and decodes in 4 s, the windows in 1 s and 2 s, so both speed-ups are 2.
+    import sys as _sys
+
+    from aah.vllm import bench
+
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 50}))
+    (tmp_path / "w.safetensors").write_bytes(b"")
+    timings = {"vanilla": (2.0, 4.0), "aah": (1.0, 2.0)}
+
+    def fake_runner(cmd, env, stdout):
+        spec = json.loads(Path(cmd[3]).read_text())
+        results = {}
+        for engine in spec["engines"]:
+            prefill, decode = timings[engine["name"]]
+            rounds, seconds = [], []
+            for spec_round in engine["rounds"]:
+                tokens = spec_round["max_tokens"]
+                rounds.append([{"prompt_logprobs": [], "tokens": [0] * tokens, "logprobs": [0.0] * tokens,
+                                "first_token_ts": 10.0, "last_token_ts": 10.0 + (decode if tokens > 1 else 0.0)}
+                               for _ in spec_round["prompts"]])
+                seconds.append(prefill)
+            results[engine["name"]] = {"rounds": rounds, "seconds": seconds, "startup_s": 1.5}
+        Path(cmd[4]).write_text(json.dumps(results))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_runner)
+    out = tmp_path / "bench.json"
+    argv = [str(tmp_path), "--windows", str(tmp_path / "w.safetensors"), "--seq-len", "64", "--new-tokens", "5",
+            "--decode-batch", "2", "--rounds", "3", "--vllm-python", _sys.executable, "--json", str(out)]
+    assert bench.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert set(report) == {"config", "vanilla", "aah", "prefill_speedup", "decode_speedup"}
+    for name in ("vanilla", "aah"):
+        assert set(report[name]) == {"prefill_tok_s", "decode_tok_s", "prefill_s", "decode_s", "startup_s"}
+        assert len(report[name]["prefill_s"]) == len(report[name]["decode_s"]) == 3
+    assert report["vanilla"]["prefill_tok_s"] == pytest.approx(64 / 2.0)
+    assert report["aah"]["decode_tok_s"] == pytest.approx(2 * (5 - 1) / 2.0)
+    assert report["prefill_speedup"] == pytest.approx(2.0) and report["decode_speedup"] == pytest.approx(2.0)
