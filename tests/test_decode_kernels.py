@@ -275,7 +275,7 @@ def test_ring_decode_rejects_rings_outside_the_storage(compiled):
     keys, values, q = torch.zeros(1, 8, 4), torch.zeros(1, 8, 4), torch.zeros(1, 2, 4)
     with pytest.raises(RuntimeError, match="every window must be >= 1"):
         compiled.ring_decode(q, keys, values, torch.tensor([0]), torch.tensor([8]), torch.tensor([8, 0]), 3, 0.5)
-    with pytest.raises(RuntimeError, match="lie within the S slots"):
+    with pytest.raises(RuntimeError, match="must lie within the slots"):
         compiled.ring_decode(q, keys, values, torch.tensor([4]), torch.tensor([8]), torch.tensor([8, 8]), 3, 0.5)
     with pytest.raises(RuntimeError, match="capacity >= 1"):
         compiled.ring_decode(q, keys, values, torch.tensor([0]), torch.tensor([0]), torch.tensor([8, 8]), 3, 0.5)

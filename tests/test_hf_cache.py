@@ -126,3 +126,35 @@ def test_decode_with_full_rings_and_group_windows_builds_no_mask(monkeypatch):
     assert torch.equal(out, _greedy_by_recompute(model, prompt, 6))
     # From position 12 on every ring is full and the sinks (0, 1) are outside every window.
     assert masked_calls == []
+
+
+@pytest.mark.parametrize("route", ["compiled block", "compiled attention"])
+@pytest.mark.parametrize("case", ["gqa_mixed_long_prompt", "gqa_kv_group_with_sinks", "mha_mixed_short_prompt"])
+def test_one_token_steps_run_compiled_and_equal_recompute(compiled, monkeypatch, case, route):
+    """A decode step runs the whole decoder layer compiled (aah.hf.block_step), or, where the
+    layer's modules must run (here a forward hook on the MLP), its attention compiled."""
+    heads, kv_heads, windows, sinks, prompt_len = CASES[case]
+    model = _llama(heads, kv_heads)
+    hf.patch(model, torch.tensor(windows), sink_tokens=sinks)
+    if route == "compiled attention":
+        for layer in model.model.layers:
+            layer.mlp.register_forward_pre_hook(lambda module, args: None)
+    calls = []
+    kernel = compiled.ring_decode
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["sinks"])
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(compiled, "ring_decode", counted)
+    ids = _ids(2, prompt_len + 14, seed=8)
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits
+        cache = hf.new_cache(model)
+        got = [model(ids[:, :prompt_len], past_key_values=cache, use_cache=True).logits]
+        for t in range(prompt_len, ids.shape[1]):  # rings filling, then wrapping past every window
+            got.append(model(ids[:, t:t + 1], past_key_values=cache, use_cache=True).logits)
+            assert [layer.route for layer in cache.layers] == [route] * len(cache.layers)
+    torch.testing.assert_close(torch.cat(got, dim=1), expected, rtol=1e-5, atol=1e-5)
+    # The attention alone: one kernel call per layer and step, whatever the layer's groups.
+    assert calls == ([sinks] * (14 * len(cache.layers)) if route == "compiled attention" else [])

@@ -307,8 +307,13 @@ def test_calibrate_then_eval_end_to_end(tiny_model_dir, tmp_path, capsys):
                  "--json", str(report_path)]) == 0
     report = json.loads(report_path.read_text())
     for name in ("full", "aah", "uniform"):
-        assert {"ppl", "prefill_tok_s", "decode_tok_s", "kv_bytes", "acr", "causal_coverage"} <= set(report[name])
+        assert {"ppl", "prefill_tok_s", "decode_tok_s", "decode_route", "kv_bytes", "acr", "causal_coverage"} <= set(report[name])
     assert "ppl_ratio" in report["uniform"]
+    assert report["full"]["decode_route"] == "transformers"
+    from aah import ring_decode
+
+    compiled = ring_decode.unavailable_reason() is None  # the tiny model is a Llama: the whole layer
+    assert report["aah"]["decode_route"] == ("compiled block" if compiled else "masked")
     for key in ("ppl_ratio", "prefill_speedup", "decode_speedup", "kv_bytes_ratio"):
         assert report[key] > 0
     assert report["ppl_ratio"] == pytest.approx(report["aah"]["ppl"] / report["full"]["ppl"])

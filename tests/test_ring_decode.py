@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from aah import ring_decode
+from aah.windows import visible
 
 
 def _rings(batch, capacities, dim, dtype, seed=0):
@@ -50,6 +51,34 @@ def test_matches_the_reference(compiled, dim, dtype, tol):
         torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("sinks", [1, 4])
+def test_sink_slots_are_read_by_the_window_rule(compiled, sinks):
+    """Each KV head's sinks sit in the slots before its ring; the reference picks keys by
+    :func:`aah.windows.visible` from a plain list of every position, not from ring ages."""
+    dim, capacities, windows = 16, [6, 300], [1, 6, 300, 5]
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 4, dim, generator=gen, dtype=torch.float64)
+    for length in (1, 3, 5, 7, 12, 299, 310, 700):
+        history_k = torch.randn(2, 2, length, dim, generator=gen, dtype=torch.float64)  # every position
+        history_v = torch.randn(2, 2, length, dim, generator=gen, dtype=torch.float64)
+        keys = torch.zeros(2, 2 * sinks + sum(capacities), dim, dtype=torch.float64)
+        values = torch.zeros_like(keys)
+        starts = [sinks, 2 * sinks + capacities[0]]
+        for g, cap in enumerate(capacities):
+            for p in range(length):
+                slots = ([starts[g] - sinks + p] if p < sinks else []) + ([starts[g] + p % cap] if p >= length - cap else [])
+                for slot in slots:
+                    keys[:, slot], values[:, slot] = history_k[:, g, p], history_v[:, g, p]
+        got = compiled.ring_decode(q, keys, values, torch.tensor(starts), torch.tensor(capacities),
+                                   torch.tensor(windows), length, 0.25, sinks=sinks)
+        pos = torch.arange(length)
+        for h, w in enumerate(windows):
+            keep = visible(length - 1, pos, w, sinks)
+            scores = torch.einsum("bd,bnd->bn", q[:, h], history_k[:, h // 2, keep]) * 0.25
+            want = torch.einsum("bn,bnd->bd", scores.softmax(-1), history_v[:, h // 2, keep])
+            torch.testing.assert_close(got[:, h], want, atol=1e-12, rtol=1e-12)
+
+
 def test_large_scores_stay_finite_and_exact(compiled):
     keys, values, starts = _rings(1, [300], 16, torch.float32)
     q = torch.full((1, 1, 16), 30.0)
@@ -70,6 +99,8 @@ def test_bad_input_is_an_error(compiled):
         compiled.ring_decode(q, keys, values, args[0], args[1], torch.tensor([8]), 4, 0.5)
     with pytest.raises(RuntimeError, match="length must be at least 1"):
         compiled.ring_decode(q, keys, values, *args, 0, 0.5)
+    with pytest.raises(RuntimeError, match="sink slots before it"):  # no room for sinks before the first ring
+        compiled.ring_decode(q, keys, values, *args, 4, 0.5, sinks=1)
 
 
 def test_turned_off_by_the_environment(monkeypatch):

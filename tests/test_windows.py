@@ -99,3 +99,18 @@ def test_sink_tokens_must_be_non_negative_ints():
         band_mask([2], 4, sink_tokens=-1)
     with pytest.raises(ValueError, match="sink_tokens"):
         causal_coverage([2], 4, sink_tokens=1.5)
+
+
+def test_visible_by_hand():
+    from aah.windows import visible
+
+    keys = torch.arange(8)
+    assert visible(5, keys, 3).nonzero().flatten().tolist() == [3, 4, 5]  # i - W < j <= i
+    assert visible(5, keys, 3, sinks=2).nonzero().flatten().tolist() == [0, 1, 3, 4, 5]
+    # Left padding before position 1: the sinks are the first two real tokens, padding never read.
+    assert visible(5, keys, 3, sinks=2, first_real=1).nonzero().flatten().tolist() == [1, 2, 3, 4, 5]
+    assert visible(5, keys, 9, first_real=2).nonzero().flatten().tolist() == [2, 3, 4, 5]
+    # Per-row first_real and per-head windows broadcast: (rows, heads, keys).
+    rows = visible(4, keys[None, None, :], torch.tensor([[1], [2]])[None], 1, torch.tensor([0, 3])[:, None, None])
+    assert rows.shape == (2, 2, 8)
+    assert rows[0, 0].nonzero().flatten().tolist() == [0, 4] and rows[1, 1].nonzero().flatten().tolist() == [3, 4]

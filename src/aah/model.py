@@ -154,7 +154,7 @@ class Block(nn.Module):
         extras = tuple(m for m in (attn.rotary, attn.aah_state, self.dropout) if m is not None)
         if ring_decode.hooks_or_autocast(*modules, *extras):
             return None
-        weights = [m._parameters.get(name) for m in (n1, qkv, out, n2, up, down) for name in ("weight", "bias")]
+        weights = ring_decode.Block.weights_of(norm1=n1, qkv=qkv, out=out, norm2=n2, up=up, down=down)
         if not all(t is None or (t.dtype == x.dtype and t.is_contiguous()) for t in weights):
             return None
         norm = "layernorm" if type(n1) is nn.LayerNorm else "rmsnorm"

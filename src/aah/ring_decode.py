@@ -62,7 +62,7 @@ try:
 except ImportError:  # pragma: no cover
     fcntl = None
 
-__all__ = ["ACTIVATIONS", "LINEAR_ROWS_MAX", "decode_step_label", "linear", "linear_rows", "load", "ring_decode", "ring_decode_packed", "decode_block", "Block", "Rings", "paged_attention", "unavailable_reason"]
+__all__ = ["ACTIVATIONS", "LINEAR_ROWS_MAX", "decode_step_label", "linear", "linear_rows", "load", "ring_decode", "ring_decode_packed", "decode_block", "Block", "BLOCK_PARTS", "Rings", "paged_attention", "unavailable_reason"]
 
 _NAME = "aah_ring_decode"
 _CSRC = Path(__file__).with_name("csrc")
@@ -340,6 +340,8 @@ def ring_decode(
     windows: torch.Tensor,
     length: int,
     scale: float,
+    *,
+    sinks: int = 0,
 ) -> torch.Tensor:
     """Attention of ``q`` (B, H, D) over the last ``min(W_h, length, C)`` entries of each head's ring.
 
@@ -347,10 +349,12 @@ def ring_decode(
     in slots ``ring_start[g] .. ring_start[g] + capacity[g]`` with position
     ``p`` in slot ``p % capacity[g]``; query head ``h`` reads KV head
     ``h // (H // H_kv)`` with window ``windows[h]``; ``length`` positions are
-    written (the newest included). Returns (B, H, D). Raises ``RuntimeError``
-    when the extension is not available (see :func:`load`).
+    written (the newest included). With ``sinks`` the ``sinks`` slots before
+    each ring hold positions ``0 .. sinks - 1``, and a head also reads those
+    that lie before its window (:func:`aah.windows.visible`). Returns (B, H, D).
+    Raises ``RuntimeError`` when the extension is not available (see :func:`load`).
     """
-    return _module().ring_decode(q, keys, values, ring_start, capacity, windows, int(length), float(scale))
+    return _module().ring_decode(q, keys, values, ring_start, capacity, windows, int(length), int(sinks), float(scale))
 
 
 def paged_attention(
@@ -408,29 +412,44 @@ def _tables(reference: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor
 
 
 def ring_decode_packed(
-    qkv: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, rings: Rings, length: int, scale: float
+    qkv: torch.Tensor,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    rings: Rings,
+    length: int,
+    scale: float,
+    *,
+    sinks: int = 0,
 ) -> torch.Tensor:
     """One whole decode step of a layer from its packed QKV projection; returns (B, H * D).
 
     ``qkv`` (B, (H + 2 H_kv) D) holds the query heads, key heads and value heads
-    of position ``length - 1``. With ``cos`` and ``sin`` (the tables of
-    :class:`aah.attention.RotaryEmbedding`, (positions, D); ``None`` for no
+    of position ``length - 1``. With ``cos`` and ``sin`` (rotary tables,
+    (positions, D), or the new position's row alone, (1, D); ``None`` for no
     rotary embedding) the query and the key are rotated at that position as
-    the module does. The key and value go into slot ``(length - 1) % C`` of
-    their KV head's ring (and that slot of ``rings.unread`` becomes 0); then
-    the query attends as :func:`ring_decode`.
+    :class:`aah.attention.RotaryEmbedding` does (rotate-half). The key and value
+    go into slot ``(length - 1) % C`` of their KV head's ring (and that slot of
+    ``rings.unread`` becomes 0; the sink slots are not written); then the query
+    attends as :func:`ring_decode` with ``sinks``.
     """
-    return _module().ring_decode_packed(qkv, *_tables(qkv, cos, sin), *rings, int(length), float(scale))
+    return _module().ring_decode_packed(
+        qkv, *_tables(qkv, cos, sin), *rings, int(length), int(sinks), float(scale)
+    )
+
+
+#: The projections and norms of a block, in the order of :attr:`Block.weights` (a weight and a bias each).
+BLOCK_PARTS = ("norm1", "qkv", "key", "value", "out", "norm2", "gate", "up", "down")
 
 
 class Block(NamedTuple):
-    """What :func:`decode_block` needs of a pre-norm block besides its cache (see :class:`aah.model.Block`).
+    """What :func:`decode_block` needs of a pre-norm block besides its cache.
 
-    ``weights``: the 12 tensors ``[norm1 weight, norm1 bias, qkv weight, qkv
-    bias, out weight, out bias, norm2 weight, norm2 bias, up weight, up bias,
-    down weight, down bias]``, ``None`` where absent; ``norm``: ``layernorm``
-    or ``rmsnorm``; ``eps``: the two norms' epsilons; ``activation``: ``gelu``,
-    ``relu`` or ``swiglu`` (the up projection gives the gate, then the value).
+    ``weights``: a weight and a bias for each of :data:`BLOCK_PARTS`, ``None``
+    where absent (:meth:`of`). ``qkv`` is the packed projection (:class:`aah.model.Block`)
+    or, with ``key`` and ``value``, the query projection alone (a Llama-style layer);
+    ``up`` gives the gate then the value of ``swiglu`` or, with ``gate``, the value alone.
+    ``norm``: ``layernorm`` or ``rmsnorm``; ``eps``: the two norms' epsilons;
+    ``activation``: ``gelu``, ``relu`` or ``swiglu`` (``silu(gate) * value``).
     """
 
     weights: list[torch.Tensor | None]
@@ -438,15 +457,23 @@ class Block(NamedTuple):
     eps: tuple[float, float]
     activation: str
 
+    @staticmethod
+    def weights_of(**modules: torch.nn.Module | None) -> list[torch.Tensor | None]:
+        """The weight list from modules named by :data:`BLOCK_PARTS` (missing names: absent)."""
+        unknown = set(modules) - set(BLOCK_PARTS)
+        if unknown:
+            raise ValueError(f"unknown block parts {sorted(unknown)}; expected some of {BLOCK_PARTS}")
+        out = []
+        for part in BLOCK_PARTS:
+            module = modules.get(part)
+            params = {} if module is None else module._parameters
+            out += [params.get("weight"), params.get("bias")]
+        return out
+
 
 def decode_block(
-    x: torch.Tensor,
-    block: Block,
-    cos: torch.Tensor | None,
-    sin: torch.Tensor | None,
-    rings: Rings,
-    length: int,
-    scale: float,
+    x: torch.Tensor, block: Block, cos: torch.Tensor | None, sin: torch.Tensor | None, rings: Rings,
+    length: int, scale: float, *, sinks: int = 0,
 ) -> torch.Tensor:
     """One decode step of a pre-norm block, ``x + out(attn(qkv(norm1(x))))`` then ``x + down(act(up(norm2(x))))``.
 
@@ -456,7 +483,7 @@ def decode_block(
     """
     return _module().decode_block(
         x, block.weights, block.norm, float(block.eps[0]), float(block.eps[1]), block.activation,
-        *_tables(x, cos, sin), *rings, int(length), float(scale),
+        *_tables(x, cos, sin), *rings, int(length), int(sinks), float(scale),
     )
 
 

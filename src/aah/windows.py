@@ -30,6 +30,7 @@ __all__ = [
     "as_window_tensor",
     "check_sink_tokens",
     "band_mask",
+    "visible",
     "acr",
     "causal_coverage",
     "causal_pairs",
@@ -94,6 +95,26 @@ def check_sink_tokens(sink_tokens: int) -> int:
     return sink_tokens
 
 
+def visible(
+    q_pos: torch.Tensor | int,
+    k_pos: torch.Tensor | int,
+    windows: torch.Tensor | int,
+    sinks: int = 0,
+    first_real: torch.Tensor | int = 0,
+) -> torch.Tensor:
+    """The window rule, the one every mask and kernel of AAH follows: may query ``q_pos`` read key ``k_pos``?
+
+    ``True`` where ``first_real <= k_pos <= q_pos`` and (``q_pos - k_pos < W`` or
+    ``k_pos < first_real + sinks``): the key lies in the query's window of ``W``
+    positions (the query included) or is one of the first ``sinks`` real tokens.
+    ``first_real`` is where a row's real tokens start (left padding before it is
+    never read). Every argument broadcasts against the others.
+    """
+    q_pos, k_pos = torch.as_tensor(q_pos), torch.as_tensor(k_pos)
+    causal = (k_pos <= q_pos) & (k_pos >= first_real)
+    return causal & ((q_pos - k_pos < windows) | (k_pos < first_real + sinks))
+
+
 def band_mask(
     windows: WindowsLike,
     seq_len: int,
@@ -101,17 +122,14 @@ def band_mask(
     *,
     sink_tokens: int = 0,
 ) -> torch.Tensor:
-    """Boolean mask of shape (H, T, T); ``True`` where query ``i`` may attend key ``j``."""
+    """Boolean mask of shape (H, T, T); ``True`` where query ``i`` may attend key ``j`` (:func:`visible`)."""
     w = as_window_tensor(windows)
     if w.dim() != 1:
         raise ValueError(f"band_mask takes 1-D windows (one per head), got shape {tuple(w.shape)}")
     t = _check_seq_len(seq_len)
     s = check_sink_tokens(sink_tokens)
     pos = torch.arange(t, device=device)
-    dist = pos[:, None] - pos[None, :]  # i - j
-    w = w.to(device)[:, None, None]
-    visible = (dist < w) | (pos[None, :] < s)[None]
-    return (dist >= 0)[None] & visible
+    return visible(pos[:, None], pos[None, :], w.to(device)[:, None, None], s)
 
 
 def causal_pairs(window: int, seq_len: int, *, sink_tokens: int = 0) -> int:

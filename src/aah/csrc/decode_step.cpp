@@ -40,12 +40,13 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10:
 
 
 // q (B, H, D); keys, values (B, S, D): the rings of every KV head, KV head g in slots
-// [ring_start[g], ring_start[g] + capacity[g]); windows (H,) per query head; length:
-// positions written so far (the new one included). Returns (B, H, D) in q's dtype.
+// [ring_start[g], ring_start[g] + capacity[g]), its sink tokens (positions 0..sinks-1) in the
+// sinks slots before; windows (H,) per query head; length: positions written so far (the new
+// one included). Returns (B, H, D) in q's dtype.
 at::Tensor ring_decode(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                        const at::Tensor& ring_start, const at::Tensor& capacity,
-                       const at::Tensor& windows, int64_t length, double scale) {
-  check_rings(keys, values, ring_start, capacity, windows, length);
+                       const at::Tensor& windows, int64_t length, int64_t sinks, double scale) {
+  check_rings(keys, values, ring_start, capacity, windows, length, sinks);
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.is_contiguous(), "q must be a contiguous 3-d CPU tensor");
   TORCH_CHECK(keys.scalar_type() == q.scalar_type(), "q, keys, values must share a dtype");
   TORCH_CHECK(keys.size(0) == q.size(0) && keys.size(2) == q.size(2),
@@ -54,7 +55,7 @@ at::Tensor ring_decode(const at::Tensor& q, const at::Tensor& keys, const at::Te
   at::Tensor out = at::empty_like(q);
   const at::Tensor start = ring_start.contiguous(), cap = capacity.contiguous(), win = windows.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "ring_decode", [&] {
-    attend_rings<scalar_t>(q, keys, values, start, cap, win, length, scale, out);
+    attend_rings<scalar_t>(q, keys, values, start, cap, win, length, sinks, scale, out);
   });
   return out;
 }
@@ -62,16 +63,17 @@ at::Tensor ring_decode(const at::Tensor& q, const at::Tensor& keys, const at::Te
 // One whole decode step of a layer from its packed projection. qkv (B, (H + 2 H_kv) D): the
 // query heads, the key heads and the value heads of the new position length - 1, as the
 // layer's QKV projection gives them; cos, sin: the rotary tables (positions, D) of
-// aah.attention.RotaryEmbedding, of which row length - 1 is used, or empty tensors (no rotary
-// embedding); unread (1, S): the additive mask of the slots not
+// aah.attention.RotaryEmbedding, of which row length - 1 is used (a one-row table: that row),
+// or empty tensors (no rotary embedding); sinks: as ring_decode (the new position is written to
+// its ring only); unread (1, S): the additive mask of the slots not
 // written yet, kept for the PyTorch path. Rotates the query and the key, writes the key and
 // the value into slot (length - 1) % C of their KV head's ring (marking it written), then
 // attends as ring_decode. Returns (B, H * D), the heads side by side.
 at::Tensor ring_decode_packed(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                               at::Tensor& keys, at::Tensor& values, at::Tensor& unread,
                               const at::Tensor& ring_start, const at::Tensor& capacity,
-                              const at::Tensor& windows, int64_t length, double scale) {
-  check_rings(keys, values, ring_start, capacity, windows, length);
+                              const at::Tensor& windows, int64_t length, int64_t sinks, double scale) {
+  check_rings(keys, values, ring_start, capacity, windows, length, sinks);
   TORCH_CHECK(keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kBFloat16,
               "the packed step runs float32 or bfloat16 rings");
   const int64_t batch = keys.size(0), slots = keys.size(1), dim = keys.size(2);
@@ -82,12 +84,14 @@ at::Tensor ring_decode_packed(const at::Tensor& qkv, const at::Tensor& cos, cons
               "qkv must be (B, (H + 2 H_kv) D) with the rings' B and D");
   const bool rotary = cos.numel() > 0;
   TORCH_CHECK(!rotary || (cos.dim() == 2 && sin.sizes() == cos.sizes() && cos.size(1) == dim &&
-                          cos.size(0) >= length && dim % 2 == 0 && cos.is_floating_point() &&
-                          sin.is_floating_point()),
-              "cos and sin must be rotary tables (positions, D) holding position length - 1 (or both empty)");
+                          (cos.size(0) >= length || cos.size(0) == 1) && dim % 2 == 0 &&
+                          cos.is_floating_point() && sin.is_floating_point()),
+              "cos and sin must be rotary tables (positions, D) holding position length - 1, or that "
+              "position's row alone (1, D) (or both empty)");
   // The row of the new position, in float32 (a no-op for float32 tables).
-  const at::Tensor cos_row = rotary ? cos.select(0, length - 1).to(at::kFloat).contiguous() : cos;
-  const at::Tensor sin_row = rotary ? sin.select(0, length - 1).to(at::kFloat).contiguous() : sin;
+  const int64_t row_index = rotary && cos.size(0) == 1 ? 0 : length - 1;
+  const at::Tensor cos_row = rotary ? cos.select(0, row_index).to(at::kFloat).contiguous() : cos;
+  const at::Tensor sin_row = rotary ? sin.select(0, row_index).to(at::kFloat).contiguous() : sin;
   TORCH_CHECK(unread.scalar_type() == at::kFloat && unread.numel() == slots && unread.is_contiguous(),
               "unread must be a contiguous float32 (1, S) mask");
   const at::Tensor start = ring_start.contiguous(), cap = capacity.contiguous(), win = windows.contiguous();
@@ -114,7 +118,7 @@ at::Tensor ring_decode_packed(const at::Tensor& qkv, const at::Tensor& cos, cons
         mask[slot] = 0.0f;
       }
     }
-    attend_rings<scalar_t>(q, keys, values, start, cap, win, length, scale, out);
+    attend_rings<scalar_t>(q, keys, values, start, cap, win, length, sinks, scale, out);
   });
   return out.view({batch, heads * dim});
 }
@@ -159,27 +163,34 @@ const at::Tensor* present(const std::vector<c10::optional<at::Tensor>>& weights,
   return weights[i].has_value() && weights[i]->defined() ? &*weights[i] : nullptr;
 }
 
-enum Weight { kNorm1W, kNorm1B, kQkvW, kQkvB, kOutW, kOutB, kNorm2W, kNorm2B, kUpW, kUpB, kDownW, kDownB, kWeights };
+enum Weight {
+  kNorm1W, kNorm1B, kQkvW, kQkvB, kKeyW, kKeyB, kValueW, kValueB, kOutW, kOutB,
+  kNorm2W, kNorm2B, kGateW, kGateB, kUpW, kUpB, kDownW, kDownB, kWeights
+};
 
 }  // namespace
 
-// One decode step of a pre-norm transformer block (aah.model.Block) in one call:
+// One decode step of a pre-norm transformer block in one call (aah.model.Block, or a
+// Llama-style decoder layer of a transformers model):
 //   x = x + out(attention(qkv(norm1(x))));  x = x + down(act(up(norm2(x))))
-// with the attention of ring_decode_packed. x (B, d_model); weights: the 12 tensors
-// [norm1 weight, norm1 bias, qkv weight, qkv bias, out weight, out bias, norm2 weight,
-// norm2 bias, up weight, up bias, down weight, down bias], None where the layer has none;
-// norm "layernorm" or "rmsnorm" (eps1, eps2 the norms' epsilons); activation "gelu", "relu"
-// or "swiglu" (up gives the gate, then the value: silu(gate) * value). The rest as
+// with the attention of ring_decode_packed. x (B, d_model); weights: the 18 tensors
+// [norm1 weight, norm1 bias, qkv weight, qkv bias, key weight, key bias, value weight, value
+// bias, out weight, out bias, norm2 weight, norm2 bias, gate weight, gate bias, up weight, up
+// bias, down weight, down bias], None where the layer has none. With a key and a value weight
+// the qkv weight is the query projection alone (three projections side by side); without, it
+// is the packed projection. Activation "gelu", "relu" or "swiglu" (silu(gate) * value: with a
+// gate weight the up weight gives the value; without, up gives the gate, then the value).
+// norm "layernorm" or "rmsnorm" (eps1, eps2 the norms' epsilons). The rest as
 // ring_decode_packed. Returns the block's output (B, d_model).
 at::Tensor decode_block(const at::Tensor& x, const std::vector<c10::optional<at::Tensor>>& weights,
                         const std::string& norm, double eps1, double eps2, const std::string& activation,
                         const at::Tensor& cos, const at::Tensor& sin, at::Tensor& keys, at::Tensor& values,
                         at::Tensor& unread, const at::Tensor& ring_start, const at::Tensor& capacity,
-                        const at::Tensor& windows, int64_t length, double scale) {
+                        const at::Tensor& windows, int64_t length, int64_t sinks, double scale) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous 2-d CPU tensor");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "the block step runs float32 or bfloat16");
-  TORCH_CHECK(weights.size() == kWeights, "weights must hold the block's 12 tensors (None where absent)");
+  TORCH_CHECK(weights.size() == kWeights, "weights must hold the block's 18 tensors (None where absent)");
   TORCH_CHECK(norm == "layernorm" || norm == "rmsnorm", "norm must be layernorm or rmsnorm, got ", norm);
   TORCH_CHECK(activation == "gelu" || activation == "relu" || activation == "swiglu",
               "activation must be gelu, relu or swiglu, got ", activation);
@@ -190,30 +201,43 @@ at::Tensor decode_block(const at::Tensor& x, const std::vector<c10::optional<at:
     TORCH_CHECK(w == nullptr || (w->device().is_cpu() && w->is_contiguous() && w->scalar_type() == x.scalar_type()),
                 "every weight must be a contiguous CPU tensor of x's dtype");
   }
+  const bool split_qkv = present(weights, kKeyW) != nullptr;
+  const bool split_up = present(weights, kGateW) != nullptr;
+  TORCH_CHECK(split_qkv == (present(weights, kValueW) != nullptr), "the key and value weights come together");
+  TORCH_CHECK(!split_up || activation == "swiglu", "a gate weight needs the swiglu activation");
   const int64_t batch = x.size(0), model = x.size(1);
-  const at::Tensor& qkv_w = *present(weights, kQkvW);
+  // The projections that fill qkv (B, (H + 2 H_kv) D) and up side by side.
+  std::vector<int> qkv_parts = split_qkv ? std::vector<int>{kQkvW, kKeyW, kValueW} : std::vector<int>{kQkvW};
+  std::vector<int> up_parts = split_up ? std::vector<int>{kGateW, kUpW} : std::vector<int>{kUpW};
+  auto features = [&](const std::vector<int>& parts) {
+    int64_t total = 0;
+    for (int i : parts) {
+      const at::Tensor& w = *present(weights, i);
+      TORCH_CHECK(w.dim() == 2 && w.size(1) == model, "the projections of x must be (features, d_model)");
+      const at::Tensor* b = present(weights, i + 1);
+      TORCH_CHECK(b == nullptr || b->numel() == w.size(0), "a projection's bias must have one entry per output feature");
+      total += w.size(0);
+    }
+    return total;
+  };
+  const int64_t qkv_features = features(qkv_parts), up_features = features(up_parts);
   const at::Tensor& out_w = *present(weights, kOutW);
-  const at::Tensor& up_w = *present(weights, kUpW);
   const at::Tensor& down_w = *present(weights, kDownW);
   const int64_t hidden = down_w.size(1);
-  const int64_t up_features = activation == "swiglu" ? 2 * hidden : hidden;
-  TORCH_CHECK(qkv_w.dim() == 2 && qkv_w.size(1) == model && out_w.dim() == 2 && out_w.size(0) == model &&
-                  up_w.dim() == 2 && up_w.size(0) == up_features && up_w.size(1) == model &&
-                  down_w.dim() == 2 && down_w.size(0) == model,
+  TORCH_CHECK(out_w.dim() == 2 && out_w.size(0) == model && down_w.dim() == 2 && down_w.size(0) == model &&
+                  up_features == (activation == "swiglu" ? 2 * hidden : hidden) &&
+                  (!split_up || present(weights, kGateW)->size(0) == hidden),
               "the weights do not fit x's width and each other");
   for (int i : {kNorm1W, kNorm1B, kNorm2W, kNorm2B, kOutB, kDownB}) {
     TORCH_CHECK(present(weights, i) == nullptr || present(weights, i)->numel() == model,
                 "the norm weights and the out and down biases must have d_model entries");
   }
-  TORCH_CHECK((present(weights, kQkvB) == nullptr || present(weights, kQkvB)->numel() == qkv_w.size(0)) &&
-                  (present(weights, kUpB) == nullptr || present(weights, kUpB)->numel() == up_features),
-              "the qkv and up biases must have one entry per output feature");
   TORCH_CHECK(out_w.size(1) == windows.numel() * keys.size(2),
               "the out weight must take the H * D attention outputs");  // before anything is written
   const bool rms = norm == "rmsnorm";
   at::Tensor y = x.clone();
   at::Tensor normed = at::empty_like(x);
-  at::Tensor qkv = at::empty({batch, qkv_w.size(0)}, x.options());
+  at::Tensor qkv = at::empty({batch, qkv_features}, x.options());
   at::Tensor projected = at::empty_like(x);
   at::Tensor up = at::empty({batch, up_features}, x.options());
   at::Tensor gated = activation == "swiglu" ? at::empty({batch, hidden}, x.options()) : up;
@@ -222,19 +246,29 @@ at::Tensor decode_block(const at::Tensor& x, const std::vector<c10::optional<at:
       const at::Tensor* w = present(weights, i);
       return w == nullptr ? nullptr : w->data_ptr<scalar_t>();
     };
+    // Each part's outputs at its columns of a (B, total) buffer.
+    auto project = [&](const scalar_t* in, const std::vector<int>& parts, Activation act, scalar_t* buffer,
+                       int64_t total) {
+      int64_t column = 0;
+      for (int i : parts) {
+        const int64_t rows = present(weights, i)->size(0);
+        linear(in, batch, model, data(i), rows, data(i + 1), act, buffer + column, total);
+        column += rows;
+      }
+    };
     scalar_t* yp = y.data_ptr<scalar_t>();
     scalar_t* np = normed.data_ptr<scalar_t>();
     scalar_t* pp = projected.data_ptr<scalar_t>();
     norm_rows(yp, batch, model, data(kNorm1W), data(kNorm1B), rms, eps1, np);
-    linear(np, batch, model, data(kQkvW), qkv_w.size(0), data(kQkvB), Activation::kNone, qkv.data_ptr<scalar_t>());
+    project(np, qkv_parts, Activation::kNone, qkv.data_ptr<scalar_t>(), qkv_features);
     at::Tensor heads = ring_decode_packed(qkv, cos, sin, keys, values, unread, ring_start, capacity, windows,
-                                          length, scale);
+                                          length, sinks, scale);
     linear(heads.data_ptr<scalar_t>(), batch, out_w.size(1), data(kOutW), model, data(kOutB), Activation::kNone, pp);
     add_into(yp, pp, batch * model);
     norm_rows(yp, batch, model, data(kNorm2W), data(kNorm2B), rms, eps2, np);
     const Activation act = activation_named(activation);  // none for swiglu: gated below
     scalar_t* upp = up.data_ptr<scalar_t>();
-    linear(np, batch, model, data(kUpW), up_features, data(kUpB), act, upp);
+    project(np, up_parts, act, upp, up_features);
     if (activation == "swiglu") {
       scalar_t* gp = gated.data_ptr<scalar_t>();
       for (int64_t r = 0; r < batch; ++r) {

@@ -86,17 +86,19 @@ acc_t activate(acc_t y, Activation activation) {
   }
 }
 
-// out (rows, O) = activation(x (rows, I) @ weight (O, I).T + bias (O,) or nullptr).
+// out (rows, O) = activation(x (rows, I) @ weight (O, I).T + bias (O,) or nullptr); row r of the
+// output starts at op + r * out_stride (out_stride < 0: O, the rows packed).
 template <typename scalar_t>
 void linear(const scalar_t* xp, int64_t rows, int64_t in_features, const scalar_t* wp, int64_t out_features,
-            const scalar_t* bias, Activation activation, scalar_t* op) {
+            const scalar_t* bias, Activation activation, scalar_t* op, int64_t out_stride = -1) {
+  if (out_stride < 0) out_stride = out_features;
   at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
     for (int64_t o = begin; o < end; ++o) {
       const scalar_t* w_row = wp + o * in_features;
       const auto b = bias == nullptr ? 0 : static_cast<at::opmath_type<scalar_t>>(bias[o]);
       for (int64_t r = 0; r < rows; ++r) {
         const auto y = dot(w_row, xp + r * in_features, in_features) + b;
-        op[r * out_features + o] = static_cast<scalar_t>(activate(y, activation));
+        op[r * out_stride + o] = static_cast<scalar_t>(activate(y, activation));
       }
     }
   });

@@ -10,6 +10,10 @@
 // spread over the threads; each span keeps its maximum score, the sum of its
 // exponentials and its weighted sum of values, and a second pass joins the spans
 // of a head by those sums (split-key attention, exact).
+//
+// Sink tokens (the first S positions, which pretrained models keep attending): the S slots
+// just before a KV head's ring hold positions 0..S-1; a query head reads those of them that
+// lie before its window (j < length - n_h) as one more span.
 
 #include <torch/extension.h>
 
@@ -27,7 +31,7 @@ constexpr int64_t kSpan = 256;
 
 struct Span {
   int64_t row;    // b * H + h
-  int64_t first;  // first age of the span (age 0 is the newest entry)
+  int64_t first;  // first age of the span (age 0 is the newest entry); -1: the sink slots
   int64_t count;  // entries in the span
 };
 
@@ -36,7 +40,7 @@ struct Span {
 template <typename scalar_t, int64_t kDim>
 void decode(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
             const at::Tensor& ring_start, const at::Tensor& capacity, const at::Tensor& windows,
-            int64_t length, double scale, at::Tensor& out) {
+            int64_t length, int64_t sinks, double scale, at::Tensor& out) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t batch = q.size(0), heads = q.size(1);
   const int64_t dim = kDim > 0 ? kDim : q.size(2);
@@ -55,6 +59,8 @@ void decode(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
     for (int64_t a = 0; a < n; a += kSpan) {
       spans.push_back({row, a, std::min(kSpan, n - a)});
     }
+    const int64_t outside = std::min(sinks, length - n);  // sinks before the window
+    if (outside > 0) spans.push_back({row, -1, outside});
   }
   first_span[batch * heads] = static_cast<int64_t>(spans.size());
 
@@ -70,14 +76,18 @@ void decode(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
     for (int64_t i = begin; i < end; ++i) {
       const Span& sp = spans[i];
       const int64_t b = sp.row / heads, h = sp.row % heads, kv = h / group;
-      const int64_t c = cap[kv];
+      // A sink span walks the sink slots from the first (a "ring" that never wraps).
+      const bool sink_span = sp.first < 0;
+      const int64_t c = sink_span ? sp.count : cap[kv];
+      const int64_t base = start[kv] - (sink_span ? sinks : 0);
+      const int64_t first_slot = sink_span ? 0 : (length - sp.first - sp.count) % c;
       const scalar_t* qp = q_data + sp.row * dim;
       for (int64_t d = 0; d < dim; ++d) qf[d] = static_cast<acc_t>(qp[d]) * s;
       // Ages first .. first + count - 1 hold positions length - 1 - age; walk them oldest
       // first, so that the slots increase (wrapping once at most).
-      int64_t slot = (length - sp.first - sp.count) % c;
-      const scalar_t* k_ring = k_data + (b * slots + start[kv]) * dim;
-      const scalar_t* v_ring = v_data + (b * slots + start[kv]) * dim;
+      int64_t slot = first_slot;
+      const scalar_t* k_ring = k_data + (b * slots + base) * dim;
+      const scalar_t* v_ring = v_data + (b * slots + base) * dim;
       for (int64_t j = 0; j < sp.count; ++j) {
         const scalar_t* kp = k_ring + slot * dim;
         acc_t dot = 0;
@@ -96,7 +106,7 @@ void decode(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
       }
       // Weighted sum of the values, in the same slot order as the scores.
       auto weighted_sum = [&](acc_t* sum) {
-        int64_t at_slot = (length - sp.first - sp.count) % c;
+        int64_t at_slot = first_slot;
         for (int64_t j = 0; j < sp.count; ++j) {
           const acc_t p = score[j];
           const scalar_t* vp = v_ring + at_slot * dim;
@@ -141,7 +151,7 @@ void decode(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
 
 
 inline void check_rings(const at::Tensor& keys, const at::Tensor& values, const at::Tensor& ring_start,
-                 const at::Tensor& capacity, const at::Tensor& windows, int64_t length) {
+                 const at::Tensor& capacity, const at::Tensor& windows, int64_t length, int64_t sinks = 0) {
   TORCH_CHECK(keys.device().is_cpu() && values.device().is_cpu(), "ring_decode runs on CPU tensors");
   TORCH_CHECK(keys.dim() == 3 && values.dim() == 3, "keys, values must be 3-d");
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "keys, values must be contiguous");
@@ -154,13 +164,15 @@ inline void check_rings(const at::Tensor& keys, const at::Tensor& values, const 
                   windows.numel() % ring_start.numel() == 0,
               "one window per query head, one start and capacity per KV head");
   TORCH_CHECK(length >= 1, "length must be at least 1");
+  TORCH_CHECK(sinks >= 0, "sinks must be >= 0");
   TORCH_CHECK(ring_start.device().is_cpu() && capacity.device().is_cpu() && windows.device().is_cpu(),
               "ring_start, capacity, windows must be CPU tensors");
   const at::Tensor start = ring_start.contiguous(), cap = capacity.contiguous(), win = windows.contiguous();
   for (int64_t g = 0; g < start.numel(); ++g) {
     const int64_t first = start.data_ptr<int64_t>()[g], size = cap.data_ptr<int64_t>()[g];
-    TORCH_CHECK(size >= 1 && first >= 0 && first + size <= keys.size(1),
-                "every ring must have a capacity >= 1 and lie within the S slots of keys and values");
+    TORCH_CHECK(size >= 1 && first >= sinks && first + size <= keys.size(1),
+                "every ring, and the sink slots before it, must lie within the slots of keys and values "
+                "(capacity >= 1)");
   }
   for (int64_t h = 0; h < win.numel(); ++h) {
     TORCH_CHECK(win.data_ptr<int64_t>()[h] >= 1, "every window must be >= 1");
@@ -170,12 +182,12 @@ inline void check_rings(const at::Tensor& keys, const at::Tensor& values, const 
 template <typename scalar_t>
 void attend_rings(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                   const at::Tensor& start, const at::Tensor& cap, const at::Tensor& win, int64_t length,
-                  double scale, at::Tensor& out) {
+                  int64_t sinks, double scale, at::Tensor& out) {
   switch (q.size(2)) {
-    case 32: decode<scalar_t, 32>(q, keys, values, start, cap, win, length, scale, out); break;
-    case 64: decode<scalar_t, 64>(q, keys, values, start, cap, win, length, scale, out); break;
-    case 128: decode<scalar_t, 128>(q, keys, values, start, cap, win, length, scale, out); break;
-    default: decode<scalar_t, 0>(q, keys, values, start, cap, win, length, scale, out);
+    case 32: decode<scalar_t, 32>(q, keys, values, start, cap, win, length, sinks, scale, out); break;
+    case 64: decode<scalar_t, 64>(q, keys, values, start, cap, win, length, sinks, scale, out); break;
+    case 128: decode<scalar_t, 128>(q, keys, values, start, cap, win, length, sinks, scale, out); break;
+    default: decode<scalar_t, 0>(q, keys, values, start, cap, win, length, sinks, scale, out);
   }
 }
 

@@ -2,22 +2,31 @@
 
 Built on transformers' cache-layer API (``CacheLayerMixin``): one :class:`WindowCacheLayer`
 per decoder layer inside a plain ``transformers.Cache``. The query heads that read one KV
-head share a buffer of ``S + C`` slots, where ``S`` is the number of sink tokens and ``C`` the
-largest window among those query heads (capped by ``max_cache_len`` when given): slots ``0..S-1`` hold each row's sink tokens (its first ``S`` real
-tokens, so left padding is respected), and the other slots are a ring over every position
-(position ``p`` in slot ``p mod C``). A key inside a head's window is read from the ring; a
-sink outside it from its sink slot, so no key is counted twice. With one window per KV group
-(``kv_group`` granularity) the buffer holds exactly what the heads read, so KV memory follows
-the windows (paper section 5.10's ACR, counted with sinks).
+head share ``S + C`` slots, where ``S`` is the number of sink tokens and ``C`` the largest
+window among those query heads (capped by ``max_cache_len`` when given): slots ``0..S-1`` hold
+each row's sink tokens (its first ``S`` real tokens, so left padding is respected), and the
+other slots are a ring over every position (position ``p`` in slot ``p mod C``). A key inside a
+head's window is read from the ring; a sink outside it from its sink slot, so no key is counted
+twice (the rule of :func:`aah.windows.visible`). With one window per KV group (``kv_group``
+granularity) the slots hold exactly what the heads read, so KV memory follows the windows
+(paper section 5.10's ACR, counted with sinks).
 
-Memory is bounded by what is stored: the ring grows with the tokens seen up to ``C`` (a
-window at or above the context costs what a dynamic cache costs), never beyond.
+All KV heads of a layer live in one pair of flat buffers (B, slots, D), KV heads of equal
+capacity side by side; this is the layout the compiled decode steps of :mod:`aah.ring_decode`
+read (:meth:`WindowCacheLayer.ring_index`). A ring grows with the tokens seen, by at least an
+eighth of its size at a time, up to ``C`` (a window at or above the context costs what a
+dynamic cache costs), never beyond.
 
-A decode step with a full ring and one window per group needs no mask at all (softmax does
-not care about key order): once the sinks have left every window it is one fused SDPA call
-over the buffer. Every other call (chunked prefill after a prefix, mixed windows in a group,
-padding) attends over the buffer plus the new tokens with an exact position mask, then stores
-the new tokens.
+The routes of a call (:attr:`WindowCacheLayer.route`):
+
+* ``compiled block``: a one-token step of a Llama, Mistral or Qwen2 layer without padding on
+  CPU runs the whole decoder layer in one compiled call (:mod:`aah.hf.block_step`);
+* ``compiled attention``: any other one-token step without padding on CPU runs the layer's
+  modules, and its attention reads each head's window and the sinks before it from the flat
+  buffers in one call (:func:`aah.ring_decode.ring_decode`);
+* ``masked``: everything else (chunked prefill after a prefix, padding, other devices, no
+  compiler) attends over the slots plus the new tokens with an exact position mask, then
+  stores the new tokens; ``prefill``: the first call, which the model's backends run.
 
 ``crop`` (assisted decoding, prompt lookup) is exact: while transformers has past recording on
 (``activate_past_recording``, which assisted decoding calls), each write records what it
@@ -33,11 +42,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .. import ring_decode
 from ._transformers import require
-from .patching import LayerWindows, attend_without_cache, layer_specs, visible_keys
+from .patching import SPEC_ATTR, LayerWindows, attend_without_cache, layer_specs, visible_keys
 from .windowed_kv import Pending, WindowedKV
 
-__all__ = ["WindowCacheLayer", "new_cache", "cache_memory_bytes"]
+__all__ = ["GROWTH", "WindowCacheLayer", "cache_memory_bytes", "cache_route", "new_cache"]
+
+#: A ring that must grow grows by at least ``1 / GROWTH`` of its size (up to its capacity), so
+#: that decoding while long rings fill copies the buffers rarely.
+GROWTH = 8
 
 _transformers_cache = require("transformers.cache_utils")
 
@@ -70,7 +84,7 @@ class _Group:
     kv_heads: list[int]
     query_heads: list[int]
     query_windows: tuple[int, ...]
-    keys: torch.Tensor | None = None  # (B, len(kv_heads), S + allocated, D)
+    keys: torch.Tensor | None = None  # (B, len(kv_heads), S + allocated, D), a view of the layer's flat buffer
     values: torch.Tensor | None = None
     ring_positions: torch.Tensor | None = field(default=None)  # (allocated,), -1 where empty
     undo: list[_Undo] = field(default_factory=list)
@@ -115,6 +129,7 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
             query_heads = [kv * rep + r for kv in kv_heads for r in range(rep)]
             self.groups.append(_Group(capacity, kv_heads, query_heads, tuple(windows[h] for h in query_heads)))
         self.windows = tuple(windows)
+        self.windows_tensor = torch.tensor(self.windows, dtype=torch.long)  # as the compiled steps read them
         self.sink_tokens = sink_tokens
         self.num_kv_heads = num_kv_heads
         self.max_cache_len = max_cache_len
@@ -123,6 +138,15 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         self.cumulative_length = 0
         self._crop_floor = 0  # no crop may reach below this position (an earlier crop cut a write there)
         self.sink_start: torch.Tensor | None = None  # (B,) first real position of each row
+        # Every group's sink slots and ring side by side (groups in order, KV heads in order
+        # within a group): (B, slots, D); each group's keys/values are views of them.
+        self.flat_keys: torch.Tensor | None = None
+        self.flat_values: torch.Tensor | None = None
+        self._ring_index: tuple[torch.Tensor, ...] | None = None  # see ring_index()
+        #: How the last call attended: "prefill" (no cache yet), "masked" (a chunk, padding, or no
+        #: compiled step), "compiled attention" (one token, the attention compiled) or "compiled
+        #: block" (one token, the whole decoder layer compiled, :mod:`aah.hf.block_step`).
+        self.route: str | None = None
 
     # -- transformers' cache-layer API ------------------------------------------------------
 
@@ -132,10 +156,10 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
             raise ValueError(f"the cache was built for {self.num_kv_heads} KV heads, the model gives {kv_heads}")
         self.dtype, self.device = key_states.dtype, key_states.device
         for g in self.groups:
-            g.keys = key_states.new_zeros(batch, len(g.kv_heads), self.sink_tokens, dim)
-            g.values = value_states.new_zeros(batch, len(g.kv_heads), self.sink_tokens, value_states.shape[-1])
+            g.keys = g.values = None
             g.ring_positions = torch.full((0,), -1, dtype=torch.long, device=self.device)
             g.undo = []
+        self._lay_out(batch, dim, value_states.shape[-1], [0] * len(self.groups))
         self.sink_start = torch.zeros(batch, dtype=torch.long, device=self.device)
         self._crop_floor = 0
         self.is_initialized = True
@@ -169,6 +193,7 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         for g in self.groups:
             g.keys = g.values = g.ring_positions = None
             g.undo = []
+        self.flat_keys = self.flat_values = self._ring_index = None
         self.sink_start = None
         self.cumulative_length = 0
         self._crop_floor = 0
@@ -186,8 +211,9 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
     def _select_rows(self, select) -> None:
         if not self.is_initialized:
             return
+        self.flat_keys, self.flat_values = select(self.flat_keys), select(self.flat_values)
+        self._views()
         for g in self.groups:
-            g.keys, g.values = select(g.keys), select(g.values)
             for record in g.undo:
                 for name in ("old_keys", "old_values", "skipped_keys", "skipped_values"):
                     if getattr(record, name) is not None:
@@ -255,7 +281,7 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
 
     def memory_bytes(self) -> int:
         """Bytes held by this layer's key and value buffers (records for ``crop`` included)."""
-        tensors = [t for g in self.groups for t in (g.keys, g.values) if t is not None]
+        tensors = [t for t in (self.flat_keys, self.flat_values) if t is not None]
         tensors += [
             t for g in self.groups for r in g.undo
             for t in (r.old_keys, r.old_values, r.skipped_keys, r.skipped_values) if t is not None
@@ -281,12 +307,15 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         if attention_mask is not None and self.sink_tokens:
             self._find_sinks(pending.start, attention_mask)
         if pending.start == 0:
+            self.route = "prefill"
             out = attend_without_cache(query, pending.keys, pending.values, attention_mask, scaling, spec)
             self._store(pending.keys, pending.values, 0)
             return out
-        if self._can_decode_unmasked(query, pending, attention_mask):
+        if self._can_decode_compiled(query, pending, attention_mask):
+            self.route = "compiled attention"
             self._store(pending.keys, pending.values, pending.start)
-            return self._decode_unmasked(query, scaling)
+            return self._decode_compiled(query, scaling, pending.start + 1)
+        self.route = "masked"
         out = self._attend_masked(query, pending, attention_mask, scaling)
         self._store(pending.keys, pending.values, pending.start)
         return out
@@ -303,29 +332,61 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         first = torch.where(row, torch.arange(kv_len, device=row.device), kv_len).amin(dim=-1)
         self.sink_start = torch.where(unknown, first, self.sink_start)
 
-    def _can_decode_unmasked(self, query, pending: Pending, attention_mask) -> bool:
-        """One new token, no padding, one window per group, rings full and sinks out of every window."""
-        if query.shape[2] != 1 or attention_mask is not None:
-            return False
-        pos = pending.start
-        return all(
-            pos - g.capacity + 1 >= self.sink_tokens and all(w >= g.capacity for w in g.query_windows)
-            for g in self.groups
+    def _can_decode_compiled(self, query, pending: Pending, attention_mask) -> bool:
+        """One new token of rows without padding, on CPU with the compiled step built."""
+        return (
+            query.shape[2] == 1 and attention_mask is None and query.device.type == "cpu"
+            and not query.requires_grad and query.dtype == self.dtype and ring_decode.load() is not None
         )
 
-    def _decode_unmasked(self, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
-        if len(self.groups) == 1:
-            g = self.groups[0]
-            return F.scaled_dot_product_attention(
-                query, g.keys, g.values, scale=scaling, enable_gqa=query.shape[1] != g.keys.shape[1]
-            )
-        out = torch.empty_like(query)
+    def _decode_compiled(self, query: torch.Tensor, scaling: float | None, length: int) -> torch.Tensor:
+        """Each head's window and the sinks before it, read from the flat buffers in one call of
+        :func:`aah.ring_decode.ring_decode` (rows start at position 0: no padding)."""
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        ring_start, allocated, _ = self.ring_index()
+        out = ring_decode.ring_decode(
+            query[:, :, 0].contiguous(), self.flat_keys, self.flat_values, ring_start, allocated,
+            self.windows_tensor, length, scale, sinks=self.sink_tokens,
+        )
+        return out[:, :, None]
+
+    def decode_block(
+        self,
+        hidden_states: torch.Tensor,
+        block: ring_decode.Block,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        position_ids: torch.Tensor | None,
+        attention: torch.nn.Module,
+    ) -> torch.Tensor | None:
+        """One decode step of a whole decoder layer whose attention reads this cache, in one call
+        of :func:`aah.ring_decode.decode_block`; ``None`` where the step must take the module
+        path (this cache records writes for ``crop``, a row was padded, the positions or the
+        windows are not this cache's, no compiled step). ``hidden_states`` (B, 1, d_model)."""
+        if not self.is_initialized or self.crop_limit or self.record_past or hidden_states.device.type != "cpu":
+            return None
+        spec = getattr(attention, SPEC_ATTR, None)
+        position, batch = self.cumulative_length, hidden_states.shape[0]
+        if (
+            spec is None or spec.windows != self.windows or spec.sink_tokens != self.sink_tokens
+            or hidden_states.dtype != self.dtype or batch != self.sink_start.shape[0]
+            or position < self.sink_tokens or bool(self.sink_start.any())
+            or (position_ids is not None and int(position_ids[0, -1]) != position)
+            or ring_decode.load() is None
+        ):
+            return None
+        self._grow(position + 1)
+        ring_start, allocated, scratch = self.ring_index()
+        rings = ring_decode.Rings(self.flat_keys, self.flat_values, scratch, ring_start, allocated, self.windows_tensor)
+        cos, sin = position_embeddings
+        out = ring_decode.decode_block(
+            hidden_states.reshape(batch, -1).contiguous(), block, cos[0], sin[0], rings, position + 1,
+            attention.scaling, sinks=self.sink_tokens,
+        )
         for g in self.groups:
-            q = query[:, g.query_heads]
-            out[:, g.query_heads] = F.scaled_dot_product_attention(
-                q, g.keys, g.values, scale=scaling, enable_gqa=q.shape[1] != g.keys.shape[1]
-            )
-        return out
+            g.ring_positions[position % g.capacity] = position
+        self.cumulative_length += 1
+        self.route = "compiled block"
+        return out.view(batch, 1, -1)
 
     def _sink_positions(self) -> torch.Tensor:
         """(B, S) position held by each sink slot of each row."""
@@ -370,43 +431,100 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
             )
         return out
 
-    def _grow(self, g: _Group, needed: int) -> None:
-        """Make room for ``needed`` ring slots (at most the capacity): positions below the
-        capacity sit in slot = position, so the stored prefix is copied as it is."""
-        size = min(g.capacity, needed)
-        extra = size - g.allocated
-        if extra <= 0:
-            return
-        batch, kv, _, dim = g.keys.shape
-        g.keys = torch.cat([g.keys, g.keys.new_zeros(batch, kv, extra, dim)], dim=2)
-        g.values = torch.cat([g.values, g.values.new_zeros(batch, kv, extra, g.values.shape[-1])], dim=2)
-        g.ring_positions = torch.cat([g.ring_positions, g.ring_positions.new_full((extra,), -1)])
+    def _grow(self, needed: int) -> None:
+        """Make room for ``needed`` ring slots in every group (at most its capacity), growing a ring
+        by at least ``1 / GROWTH`` of its size: positions below the capacity sit in slot = position,
+        so the stored prefix is copied as it is."""
+        sizes = [g.allocated for g in self.groups]
+        wanted = [
+            size if size >= min(g.capacity, needed) else min(g.capacity, max(needed, size + size // GROWTH))
+            for g, size in zip(self.groups, sizes)
+        ]
+        if wanted != sizes:
+            _, _, key_dim = self.flat_keys.shape
+            self._lay_out(self.flat_keys.shape[0], key_dim, self.flat_values.shape[-1], wanted)
+
+    def _lay_out(self, batch: int, key_dim: int, value_dim: int, sizes: list[int]) -> None:
+        """New flat buffers with ``sizes[i]`` ring slots for group ``i``, holding what the old ones held."""
+        old = [(g.keys, g.values) for g in self.groups]
+        sinks = self.sink_tokens
+        total = sum(len(g.kv_heads) * (sinks + size) for g, size in zip(self.groups, sizes))
+        like = dict(dtype=self.dtype, device=self.device)
+        self.flat_keys = torch.zeros(batch, total, key_dim, **like)
+        self.flat_values = torch.zeros(batch, total, value_dim, **like)
+        for g, size in zip(self.groups, sizes):
+            extra = size - g.allocated
+            g.ring_positions = torch.cat([g.ring_positions, g.ring_positions.new_full((extra,), -1)])
+        self._views()
+        for g, (keys, values) in zip(self.groups, old):
+            if keys is not None:
+                g.keys[:, :, :keys.shape[2]] = keys
+                g.values[:, :, :values.shape[2]] = values
+
+    def _views(self) -> None:
+        """Point every group's keys/values at its part of the flat buffers."""
+        batch, sinks, offset = self.flat_keys.shape[0], self.sink_tokens, 0
+        for g in self.groups:
+            size = len(g.kv_heads) * (sinks + g.allocated)
+            shape = (batch, len(g.kv_heads), sinks + g.allocated)
+            g.keys = self.flat_keys[:, offset:offset + size].view(*shape, self.flat_keys.shape[-1])
+            g.values = self.flat_values[:, offset:offset + size].view(*shape, self.flat_values.shape[-1])
+            offset += size
+        self._ring_index = None
+
+    def ring_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ring_start, capacity, scratch) as the compiled steps read the flat buffers
+        (:class:`aah.ring_decode.Rings`): for every KV head, in KV head order, the slot of its
+        first ring entry (its sinks in the slots before) and its allocated ring slots; a float32
+        (1, slots) tensor the packed step marks (this cache keeps its own record of the slots)."""
+        if self._ring_index is None:
+            start = [0] * self.num_kv_heads
+            allocated = [0] * self.num_kv_heads
+            offset = 0
+            for g in self.groups:
+                for kv in g.kv_heads:
+                    start[kv], allocated[kv] = offset + self.sink_tokens, g.allocated
+                    offset += self.sink_tokens + g.allocated
+            self._ring_index = (
+                torch.tensor(start, dtype=torch.long), torch.tensor(allocated, dtype=torch.long),
+                torch.zeros(1, offset, dtype=torch.float32),
+            )
+        return self._ring_index
 
     def _store(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
         """Write positions ``start..`` into each row's sink slots and into the rings."""
         batch, _, new, dim = keys.shape
         sinks = self.sink_tokens
-        sink_pos = self._sink_positions() if sinks else None
+        fresh = None  # (B, S): the sink positions this write brings, when it brings any
+        if sinks:
+            sink_pos = self._sink_positions()
+            fresh = (sink_pos >= start) & (sink_pos < start + new)
+            fresh = fresh if bool(fresh.any()) else None
+        self._grow(start + new)
         for g in self.groups:
-            k, v = keys[:, g.kv_heads], values[:, g.kv_heads]
-            if sinks:
-                fresh = (sink_pos >= start) & (sink_pos < start + new)  # (B, S)
-                if bool(fresh.any()):
-                    index = (sink_pos - start).clamp(0, new - 1)[:, None, :, None].expand(-1, k.shape[1], -1, dim)
-                    take = fresh[:, None, :, None]
-                    g.keys[:, :, :sinks] = torch.where(take, k.gather(2, index), g.keys[:, :, :sinks])
-                    g.values[:, :, :sinks] = torch.where(take, v.gather(2, index), g.values[:, :, :sinks])
+            k, v = (keys, values) if len(self.groups) == 1 else (keys[:, g.kv_heads], values[:, g.kv_heads])
+            if fresh is not None:
+                index = (sink_pos - start).clamp(0, new - 1)[:, None, :, None].expand(-1, k.shape[1], -1, dim)
+                take = fresh[:, None, :, None]
+                g.keys[:, :, :sinks] = torch.where(take, k.gather(2, index), g.keys[:, :, :sinks])
+                g.values[:, :, :sinks] = torch.where(take, v.gather(2, index), g.values[:, :, :sinks])
             if self.max_cache_len is not None and start + new > self.max_cache_len and g.capacity < max(g.query_windows):
                 raise ValueError(
                     f"this window cache holds at most max_cache_len={self.max_cache_len} positions, and "
                     f"{start + new} would push keys out of windows of up to {max(g.query_windows)}; "
                     "build it with a larger max_cache_len (aah.hf.new_cache)"
                 )
-            self._grow(g, start + new)
+            recording = self.crop_limit or self.record_past
+            if new == 1 and not recording:  # a decode step: one slot, no index tensors
+                slot = start % g.capacity
+                g.keys[:, :, sinks + slot] = k[:, :, 0]
+                g.values[:, :, sinks + slot] = v[:, :, 0]
+                g.ring_positions[slot] = start
+                continue
             first = max(start, start + new - g.capacity)  # older ones would be overwritten at once
             pos = torch.arange(first, start + new, device=g.ring_positions.device)
             slots = pos % g.capacity
-            if self.crop_limit or self.record_past:
+            if recording:
                 self._record(g, start, start + new, first, slots, k, v)
             g.keys[:, :, sinks + slots] = k[:, :, first - start:]
             g.values[:, :, sinks + slots] = v[:, :, first - start:]
@@ -464,3 +582,10 @@ def cache_memory_bytes(cache) -> int:
                 if isinstance(t, torch.Tensor):
                     total += t.numel() * t.element_size()
     return total
+
+
+def cache_route(cache) -> str:
+    """How the last call through ``cache`` ran (:attr:`WindowCacheLayer.route` of its layers,
+    joined with ``+`` where they differ), or ``transformers`` for another cache."""
+    routes = sorted({layer.route or "unused" for layer in cache.layers if isinstance(layer, WindowCacheLayer)})
+    return "+".join(routes) if routes else "transformers"

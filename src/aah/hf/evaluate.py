@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from ..report.stats import paired_difference
 from ._transformers import require
-from .cache import cache_memory_bytes, new_cache
+from .cache import cache_memory_bytes, cache_route, new_cache
 from .calibration import uniform_window_for_budget
 from .patching import executed_coverage, layer_sliding_windows, layer_windows_for, patch, unpatch
 
@@ -105,7 +105,8 @@ def evaluate_settings(
     rounds: int = 3,
     progress: bool = True,
 ) -> dict[str, dict]:
-    """Per-setting ``ppl``, ``prefill_tok_s``, ``decode_tok_s``, ``kv_bytes``, ``acr``, ``causal_coverage``."""
+    """Per-setting ``ppl``, ``prefill_tok_s``, ``decode_tok_s``, ``decode_route``, ``kv_bytes``, ``acr``,
+    ``causal_coverage``."""
     seq_len = blocks.shape[1]
     if new_tokens < 1 or new_tokens >= seq_len:
         raise ValueError(f"new_tokens must be in [1, {seq_len - 1}], got {new_tokens}")
@@ -149,6 +150,7 @@ def evaluate_settings(
 
             decode[setting.name].append(_timed(steps))
     for setting in settings:
+        results[setting.name]["decode_route"] = cache_route(caches[setting.name])
         results[setting.name]["prefill_tok_s"] = seq_len / statistics.median(prefill[setting.name])
         results[setting.name]["decode_tok_s"] = decode_batch * steps_per_round / statistics.median(decode[setting.name])
     if hasattr(model, "_aah_previous_attn_implementation"):
@@ -197,8 +199,8 @@ def summary(results: dict[str, dict]) -> dict:
 def markdown_table(results: dict[str, dict]) -> str:
     """A markdown table, one row per setting."""
     lines = [
-        "| setting | perplexity | ppl / full (95% CI) | prefill tok/s | decode tok/s | KV MB | ACR | causal coverage |",
-        "|---|---|---|---|---|---|---|---|",
+        "| setting | perplexity | ppl / full (95% CI) | prefill tok/s | decode tok/s | decode route | KV MB | ACR | causal coverage |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     full = results["full"]
     for name, r in results.items():
@@ -206,6 +208,6 @@ def markdown_table(results: dict[str, dict]) -> str:
         ratio = f"{r['ppl'] / full['ppl']:.4f}" + (f" [{ci[0]:.4f}, {ci[1]:.4f}]" if ci else "")
         lines.append(
             f"| {name} | {r['ppl']:.3f} | {ratio} | {r['prefill_tok_s']:.1f} | "
-            f"{r['decode_tok_s']:.1f} | {r['kv_bytes'] / 1e6:.1f} | {r['acr']:.3f} | {r['causal_coverage']:.3f} |"
+            f"{r['decode_tok_s']:.1f} | {r['decode_route']} | {r['kv_bytes'] / 1e6:.1f} | {r['acr']:.3f} | {r['causal_coverage']:.3f} |"
         )
     return "\n".join(lines)

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..controller.features import sample_query_positions
+from ..windows import visible
 from .patching import attention_modules, layer_sinks, layer_sliding_window, recording
 
 __all__ = ["window_output_change", "measure_window_kl"]
@@ -84,7 +85,7 @@ def window_output_change(
     full = torch.einsum("bngst,bntd->bngsd", probs, values)
     changes = []
     for w in windows:
-        keep = (distance < int(w)) | (keys[None, :] < sink_tokens)
+        keep = visible(pos[:, None], keys[None, :], int(w), sink_tokens)
         kept = probs * keep.to(probs.dtype)
         windowed = torch.einsum("bngst,bntd->bngsd", kept, values) / kept.sum(-1, keepdim=True)
         cuts = (~hidden & ~keep).any(-1)[:, None]  # (S, 1): exactly 0 where nothing is cut

@@ -47,7 +47,8 @@ __all__ = [
 #: The name under which the attention and mask functions are registered.
 AAH_IMPLEMENTATION = "aah"
 
-_SPEC_ATTR = "aah_windows"
+#: The attribute of a patched attention module that holds its :class:`LayerWindows`.
+SPEC_ATTR = "aah_windows"
 #: A callable ``(q, k, v)`` set on an attention module sees its post-RoPE q/k/v (calibration).
 RECORDER_ATTR = "_aah_recorder"
 #: A callable ``(out)`` set on an attention module sees its (B, H, T, D) output (calibration).
@@ -163,12 +164,14 @@ def patch(
     specs = layer_windows_for(model, grid, check_sink_tokens(sink_tokens), backend)
     register()
     for module, spec in zip(modules, specs):
-        setattr(module, _SPEC_ATTR, spec)
+        setattr(module, SPEC_ATTR, spec)
     if not hasattr(model, _PREVIOUS_ATTR):
         setattr(model, _PREVIOUS_ATTR, model.config._attn_implementation)
+    from .block_step import adopt_layers
     from .generation import adopt
 
     adopt(model)
+    adopt_layers(model)
     model.set_attn_implementation(AAH_IMPLEMENTATION)
     return model
 
@@ -179,19 +182,21 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     if previous is None:
         raise ValueError(f"{type(model).__name__} is not patched by aah.hf.patch")
     for module in attention_modules(model):
-        if hasattr(module, _SPEC_ATTR):
-            delattr(module, _SPEC_ATTR)
+        if hasattr(module, SPEC_ATTR):
+            delattr(module, SPEC_ATTR)
     model.set_attn_implementation(previous)
     delattr(model, _PREVIOUS_ATTR)
+    from .block_step import release_layers
     from .generation import release
 
     release(model)
+    release_layers(model)
     return model
 
 
 def layer_specs(model: torch.nn.Module) -> list[LayerWindows]:
     """Each layer's :class:`LayerWindows`; ``ValueError`` when the model is not patched."""
-    specs = [getattr(module, _SPEC_ATTR, None) for module in attention_modules(model)]
+    specs = [getattr(module, SPEC_ATTR, None) for module in attention_modules(model)]
     if any(spec is None for spec in specs):
         raise ValueError(f"{type(model).__name__} is not patched by aah.hf.patch")
     return specs
@@ -270,7 +275,7 @@ def aah_attention(
     own sliding window was folded into its windows by :func:`patch`. ``position_ids`` are read
     to find the documents of packed rows.
     """
-    spec: LayerWindows | None = getattr(module, _SPEC_ATTR, None)
+    spec: LayerWindows | None = getattr(module, SPEC_ATTR, None)
     if spec is None:
         raise RuntimeError(
             f"attention layer {getattr(module, 'layer_idx', '?')} runs the 'aah' implementation "

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ..windows import visible
 from ._transformers import require
 from .patching import attention_modules, layer_sinks, layer_sliding_window
 from .retrieval import _tokens, assemble, corpus_lines
@@ -120,7 +121,7 @@ def _probe(model: torch.nn.Module, sink_tokens: int):
         if active["layer"] == module.layer_idx and active["windows"] is not None:
             w = active["windows"].to(query.device)[:, :, None, None]  # (B, H, 1, 1)
             sinks = layer_sinks(sink_tokens, context)
-            mask = allowed & ((qpos - kpos < w) | (kpos < sinks))
+            mask = allowed & visible(qpos, kpos, w, sinks)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2).contiguous(), None
 

@@ -1,0 +1,129 @@
+"""A decode step of a whole Llama-style decoder layer in one compiled call (paper section 5.8).
+
+At one token per row a transformers decoder layer is some forty operator calls (norms, four
+projections, rotary embedding, cache update, attention, three MLP projections, residuals),
+each paying PyTorch's fixed costs, and the general matrix product is slow for one row. When a
+patched model decodes into an :mod:`aah.hf.cache` window cache on CPU, :func:`adopt_layers`
+moves each decoder layer into a subclass whose ``forward`` runs such a step as one call of
+:func:`aah.ring_decode.decode_block` instead: the same operations in the same order, the key
+and value written straight into the layer's ring, each head reading its window and the sinks
+before it. The layer's weights stay in its modules; nothing is copied.
+
+The step runs for Llama, Mistral and Qwen2 layers (RMSNorm, rotate-half rotary embedding,
+SiLU-gated MLP; Qwen3's per-head query and key norms are not in the kernel) in evaluation mode
+without gradients, for one token per row with no padding mask, in float32 or bfloat16, with
+plain ``nn.Linear`` projections, no forward hooks and no autocast. Anything else runs the
+layer's own ``forward`` (whose attention still reads the window cache). The cache layer says
+which route its last step took (:attr:`aah.hf.WindowCacheLayer.route`).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+
+from .. import ring_decode
+
+__all__ = ["BLOCK_FAMILIES", "adopt_layers", "release_layers", "layer_block"]
+
+#: ``config.model_type`` of the models whose decoder layers the compiled step reproduces.
+BLOCK_FAMILIES = ("llama", "mistral", "qwen2")
+
+
+class _CompiledDecodeLayer:
+    """Mixed in front of a decoder layer class by :func:`adopt_layers`."""
+
+    _aah_base: type
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if not args:
+            out = _compiled_step(self, hidden_states, kwargs)
+            if out is not None:
+                return out
+        return super().forward(hidden_states, *args, **kwargs)
+
+    def __reduce_ex__(self, protocol):  # pickles as the original class, adopted again on load
+        reduced = super().__reduce_ex__(protocol)
+        func, args = reduced[0], reduced[1]
+        if args and args[0] is type(self):
+            args = (self._aah_base,) + tuple(args[1:])
+        return (_rebuild, (func, args)) + tuple(reduced[2:])
+
+
+def _rebuild(func, args):
+    obj = func(*args)
+    obj.__class__ = _adopted_class(type(obj))
+    return obj
+
+
+@cache
+def _adopted_class(base: type) -> type:
+    return type(base.__name__, (_CompiledDecodeLayer, base),
+                {"_aah_base": base, "__module__": __name__, "__qualname__": base.__qualname__})
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if "self_attn" in m._modules and "mlp" in m._modules]
+
+
+def adopt_layers(model: torch.nn.Module) -> None:
+    """Move the decoder layers of a model of :data:`BLOCK_FAMILIES` into their compiled-step subclass."""
+    if getattr(model.config, "model_type", None) not in BLOCK_FAMILIES:
+        return
+    for layer in _decoder_layers(model):
+        if not isinstance(layer, _CompiledDecodeLayer):
+            layer.__class__ = _adopted_class(type(layer))
+
+
+def release_layers(model: torch.nn.Module) -> None:
+    """Move the decoder layers back to their own classes."""
+    for layer in _decoder_layers(model):
+        if isinstance(layer, _CompiledDecodeLayer):
+            layer.__class__ = layer._aah_base
+
+
+def layer_block(layer: torch.nn.Module, dtype: torch.dtype) -> ring_decode.Block | None:
+    """The layer's weights as :func:`aah.ring_decode.decode_block` reads them, or ``None`` where
+    the compiled step would compute something else (see the module docstring)."""
+    mods = layer._modules
+    attn, mlp = mods["self_attn"], mods["mlp"]
+    norm1, norm2 = mods.get("input_layernorm"), mods.get("post_attention_layernorm")
+    projections = [attn._modules.get(n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    projections += [mlp._modules.get(n) for n in ("gate_proj", "up_proj", "down_proj")]
+    if any(type(p) is not torch.nn.Linear for p in projections) or "q_norm" in attn._modules:
+        return None
+    if norm1 is None or norm2 is None or not hasattr(norm1, "variance_epsilon"):
+        return None
+    if getattr(mlp, "config", None) is not None and mlp.config.hidden_act not in ("silu", "swish"):
+        return None
+    if ring_decode.hooks_or_autocast(layer, attn, mlp, norm1, norm2, *projections):
+        return None
+    q, k, v, o, gate, up, down = projections
+    weights = ring_decode.Block.weights_of(
+        norm1=norm1, qkv=q, key=k, value=v, out=o, norm2=norm2, gate=gate, up=up, down=down
+    )
+    if not all(t is None or (t.dtype == dtype and t.is_contiguous()) for t in weights):
+        return None
+    return ring_decode.Block(weights, "rmsnorm", (norm1.variance_epsilon, norm2.variance_epsilon), "swiglu")
+
+
+def _compiled_step(layer, hidden_states: torch.Tensor, kwargs: dict) -> torch.Tensor | None:
+    """The layer's output through the compiled step, or ``None`` for the module path."""
+    if layer.training or torch.is_grad_enabled() or kwargs.get("attention_mask") is not None:
+        return None
+    if hidden_states.dim() != 3 or hidden_states.shape[1] != 1:
+        return None
+    from .cache import WindowCacheLayer
+
+    past = kwargs.get("past_key_values")
+    attn = layer._modules["self_attn"]
+    cache_layer = getattr(past, "layers", [None] * (attn.layer_idx + 1))[attn.layer_idx]
+    if not isinstance(cache_layer, WindowCacheLayer) or kwargs.get("position_embeddings") is None:
+        return None
+    block = layer_block(layer, hidden_states.dtype)
+    if block is None:
+        return None
+    return cache_layer.decode_block(
+        hidden_states, block, kwargs["position_embeddings"], kwargs.get("position_ids"), attn
+    )
