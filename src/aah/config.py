@@ -237,94 +237,66 @@ class _Section:
             _fail(self.key(name), f"must be in [0, 1{']' if closed else ')'}, got {value}")
 
 
-@dataclass(frozen=True)
-class ModelConfig(_Section):
-    """Backbone settings: every :class:`~aah.model.GPTConfig` field.
-
-    ``vocab_size`` None = the tokenizer's vocabulary; ``max_seq_len`` None = ``data.seq_len``.
-    """
-
-    section: ClassVar[str] = "model"
-    vocab_size: int | None = None
-    n_layers: int = 4
-    d_model: int = 256
-    n_heads: int = 8
-    n_kv_heads: int | None = None
-    d_ff: int | None = None
-    max_seq_len: int | None = None
-    norm: str = "layernorm"
-    activation: str = "gelu"
-    positional: str = "rope"
-    rope_base: float = 10000.0
-    tie_embeddings: bool = True
-    dropout: float = 0.0
-    bias: bool = False
-    backend: str = "auto"
-
-    def _validate(self) -> None:
-        for name in ("vocab_size", "max_seq_len", "d_ff"):
-            self._at_least(name, 1)
-        if not self.backend:
-            _fail(self.key("backend"), "must be a backend name or 'auto', got ''")
+def _mirror(name: str, section: str, doc: str, *, fields: list, namespace: dict) -> type:
+    """A frozen :class:`_Section` named ``name`` with ``fields``, which the two sections below take
+    from the dataclass they configure: a setting is defined once, where the code that uses it lives."""
+    return dataclasses.make_dataclass(
+        name, fields, bases=(_Section,), frozen=True,
+        namespace={"section": section, "__doc__": doc, "__module__": __name__, **namespace},
+    )
 
 
-@dataclass(frozen=True)
-class AAHConfig(_Section):
-    """The controller regime and flat overrides of its :class:`ControllerConfig` fields.
+def _validate_model(self) -> None:
+    for name in ("vocab_size", "max_seq_len", "d_ff"):
+        self._at_least(name, 1)
+    if not self.backend:
+        _fail(self.key("backend"), "must be a backend name or 'auto', got ''")
 
-    Every field but ``regime`` is an override; None keeps the regime's value.
-    """
 
-    section: ClassVar[str] = "aah"
-    regime: str = "full_adaptive"
-    windows: tuple[int, ...] | None = None
-    min_window: int | None = None
-    control_interval: int | None = None
-    control_warmup: int | None = None
-    feature_ema: float | None = None
-    resolution_ema: float | None = None
-    grouping: str | None = None
-    hierarchy: tuple[int, ...] | None = None
-    max_depth: int | None = None
-    topology: str | None = None
-    scoring: str | None = None
-    parent_constraint: bool | None = None
-    upper_levels: str | None = None
-    keep_collapsed_top: bool | None = None
-    standardize_features: bool | None = None
-    diagnostics_context: str | None = None
-    level0_threshold: float | None = None
-    upper_threshold: float | None = None
-    norm_penalty: float | None = None
-    norm_eps: float | None = None
-    shuffle_post_select: bool | None = None
-    fixed_window_index: int | None = None
-    diagnostic_queries: int | None = None
-    base_hidden: int | None = None
-    joint_hidden: int | None = None
-    budget: float | None = None
-    budget_scope: str | None = None
-    uniform_exact: bool | None = None
-    lost_mass_ema: float | None = None
-    window_granularity: str | None = None
+ModelConfig = _mirror(
+    "ModelConfig", "model",
+    "Backbone settings: every :class:`~aah.model.GPTConfig` field.\n\n"
+    "``vocab_size`` None = the tokenizer's vocabulary; ``max_seq_len`` None = ``data.seq_len``.",
+    fields=[
+        (f.name, hint | None, field(default=None)) if f.name in ("vocab_size", "max_seq_len")
+        else (f.name, hint, field(default=f.default))
+        for f, hint in ((f, typing.get_type_hints(GPTConfig)[f.name]) for f in dataclasses.fields(GPTConfig))
+    ],
+    namespace={"_validate": _validate_model},
+)
 
-    def overrides(self) -> dict[str, Any]:
-        """The ControllerConfig fields this section sets (all but ``regime`` and unset ones)."""
-        return {
-            f.name: getattr(self, f.name)
-            for f in dataclasses.fields(self)
-            if f.name != "regime" and getattr(self, f.name) is not None
-        }
 
-    def _validate(self) -> None:
-        if self.regime not in regimes.REGIMES:
-            _fail(
-                self.key("regime"),
-                f"unknown regime {self.regime!r}; known regimes: {', '.join(regimes.names())}",
-            )
-        for name in ("base_hidden", "joint_hidden"):
-            self._at_least(name, 1)
-        _controller(self, seed=0)  # the controller's own checks, reported as aah.<field>
+def _overrides(self) -> dict[str, Any]:
+    """The ControllerConfig fields this section sets (all but ``regime`` and unset ones)."""
+    return {
+        f.name: getattr(self, f.name)
+        for f in dataclasses.fields(self)
+        if f.name != "regime" and getattr(self, f.name) is not None
+    }
+
+
+def _validate_aah(self) -> None:
+    if self.regime not in regimes.REGIMES:
+        _fail(
+            self.key("regime"),
+            f"unknown regime {self.regime!r}; known regimes: {', '.join(regimes.names())}",
+        )
+    for name in ("base_hidden", "joint_hidden"):
+        self._at_least(name, 1)
+    _controller(self, seed=0)  # the controller's own checks, reported as aah.<field>
+
+
+AAHConfig = _mirror(
+    "AAHConfig", "aah",
+    "The controller regime and flat overrides of its :class:`ControllerConfig` fields.\n\n"
+    "Every field but ``regime`` is an override (``seed`` is ``train.seed``, ``enabled`` the "
+    "regime's); None keeps the regime's value.",
+    fields=[("regime", str, field(default="full_adaptive"))] + [
+        (f.name, typing.get_type_hints(ControllerConfig)[f.name] | None, field(default=None))
+        for f in dataclasses.fields(ControllerConfig) if f.name not in ("seed", "enabled")
+    ],
+    namespace={"overrides": _overrides, "_validate": _validate_aah},
+)
 
 
 def _controller(aah: AAHConfig, seed: int) -> ControllerConfig:
