@@ -27,13 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name is not None and name.startswith(exc.name):
-                continue  # that part of the package is not present in this build
-            raise
-        module.add_commands(sub)
+        importlib.import_module(name).add_commands(sub)
     return parser
 
 

@@ -29,6 +29,7 @@ _EXPORTS = {
     "unpatch": "patching",
     "WindowCacheLayer": "cache",
     "cache_memory_bytes": "cache",
+    "cache_route": "cache",
     "new_cache": "cache",
     "convert_gguf": "convert",
     "calibrate": "calibration",
