@@ -58,8 +58,8 @@ def ref_attention():
 
 @pytest.fixture
 def compiled(monkeypatch):
-    """The compiled decode step (aah.ring_decode), turned on; the test is skipped where it cannot be built."""
-    from aah import ring_decode
+    """The compiled decode step (aah.decode.ring_decode), turned on; the test is skipped where it cannot be built."""
+    from aah.decode import ring_decode
 
     monkeypatch.setenv("AAH_RING_KERNEL", "1")
     reason = ring_decode.unavailable_reason()

@@ -14,9 +14,10 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from aah import GPT, ControllerConfig, GPTConfig, ring_decode
+from aah import GPT, ControllerConfig, GPTConfig
+from aah.decode import ring_decode
 from aah.attention import RotaryEmbedding
-from aah.cache import (
+from aah.decode.cache import (
     LayerKVCache,
     WindowKVCache,
     chunk_attention,
@@ -24,7 +25,7 @@ from aah.cache import (
     kv_capacities,
     slot_positions,
 )
-from aah.generate import cache_memory_report, generate
+from aah.decode.generate import cache_memory_report, generate
 
 VOCAB = 61
 T_MAX = 64
@@ -120,7 +121,7 @@ def tokens(batch: int, length: int, seed: int = 1) -> torch.Tensor:
 
 @pytest.fixture(params=["compiled", "pytorch"])
 def decode_path(request, monkeypatch) -> str:
-    """Decode steps through the compiled step (aah.ring_decode) or through the PyTorch plans."""
+    """Decode steps through the compiled step (aah.decode.ring_decode) or through the PyTorch plans."""
     if request.param == "compiled":
         monkeypatch.setenv("AAH_RING_KERNEL", "1")
         reason = ring_decode.unavailable_reason()
@@ -572,7 +573,7 @@ def test_paper_ladder_decodes_in_one_call_and_small_divisors_per_capacity() -> N
 @pytest.mark.parametrize("case", ["mha_local_rope", "gqa_mixed_rope", "mqa_mixed_rope"])
 def test_tiny_chunks_decode_exactly(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Forced through one call over chunks of length 1 (gcd of the capacities), decoding stays exact."""
-    monkeypatch.setattr("aah.cache.MIN_CHUNK", 1)
+    monkeypatch.setattr("aah.decode.cache.MIN_CHUNK", 1)
     monkeypatch.setenv("AAH_RING_KERNEL", "0")  # the PyTorch plans
     windows, kv, positional = CASES[case]
     model = make_model(windows, n_kv_heads=kv, positional=positional)

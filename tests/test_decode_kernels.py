@@ -1,4 +1,4 @@
-"""The compiled decode step's linear layers, packed attention step and whole-block step (aah.ring_decode).
+"""The compiled decode step's linear layers, packed attention step and whole-block step (aah.decode.ring_decode).
 
 References: float64 matrix products and activations written here, the
 RotaryEmbedding of aah.attention with ring_decode (tested against its own
@@ -15,7 +15,7 @@ from torch.nn import functional as F
 
 from aah import GPT, ControllerConfig, GPTConfig
 from aah.attention import AAHAttention, RotaryEmbedding
-from aah.cache import LayerKVCache
+from aah.decode.cache import LayerKVCache
 
 ACTIVATIONS64 = {"none": lambda y: y, "gelu": lambda y: F.gelu(y), "relu": F.relu}
 
@@ -177,7 +177,7 @@ def _variant_model(variant: str, dtype: torch.dtype = torch.float32) -> GPT:
 
 @pytest.fixture
 def block_calls(compiled, monkeypatch) -> list[int]:
-    """One entry per call of the compiled block step (aah.ring_decode.decode_block)."""
+    """One entry per call of the compiled block step (aah.decode.ring_decode.decode_block)."""
     calls: list[int] = []
     block_step = compiled.decode_block
     monkeypatch.setattr(compiled, "decode_block", lambda *a: calls.append(1) or block_step(*a))

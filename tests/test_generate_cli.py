@@ -10,7 +10,7 @@ import torch
 from aah.cli import main
 from aah.config import load_config, save_config
 from aah.data.tokenizers import ByteTokenizer
-from aah.generate import generate
+from aah.decode.generate import generate
 from aah.train.checkpoint import MODEL_FILE, checkpoint_dir, load_checkpoint, save_checkpoint
 from aah.train.setup import model_from_config
 
@@ -87,7 +87,7 @@ def test_checkpoint_prompt_file_and_seeded_sampling(run_dir: Path, tmp_path: Pat
 def test_streaming_holds_back_a_split_character() -> None:
     import io
 
-    from aah.generate_cli import _TextStream
+    from aah.decode.cli import _TextStream
 
     buf = io.StringIO()
     stream = _TextStream(ByteTokenizer(), list(b"a"), buf)

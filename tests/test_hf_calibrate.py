@@ -310,7 +310,7 @@ def test_calibrate_then_eval_end_to_end(tiny_model_dir, tmp_path, capsys):
         assert {"ppl", "prefill_tok_s", "decode_tok_s", "decode_route", "kv_bytes", "acr", "causal_coverage"} <= set(report[name])
     assert "ppl_ratio" in report["uniform"]
     assert report["full"]["decode_route"] == "transformers"
-    from aah import ring_decode
+    from aah.decode import ring_decode
 
     compiled = ring_decode.unavailable_reason() is None  # the tiny model is a Llama: the whole layer
     assert report["aah"]["decode_route"] == ("compiled block" if compiled else "masked")

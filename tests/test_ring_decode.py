@@ -1,11 +1,11 @@
-"""The compiled decode step (aah.ring_decode) against a float64 reference built from ring positions."""
+"""The compiled decode step (aah.decode.ring_decode) against a float64 reference built from ring positions."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from aah import ring_decode
+from aah.decode import ring_decode
 from aah.windows import visible
 
 

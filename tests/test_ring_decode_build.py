@@ -1,4 +1,4 @@
-"""Building and loading the compiled decode step (aah.ring_decode.load) like a well-kept package.
+"""Building and loading the compiled decode step (aah.decode.ring_decode.load) like a well-kept package.
 
 The real kernel takes about a minute to compile, so these tests build tiny
 stand-ins in its place (``_CSRC`` points at a folder of their own): a module
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from aah import ring_decode
+from aah.decode import ring_decode
 
 pytestmark = pytest.mark.skipif(ring_decode.fcntl is None, reason="the build lock needs fcntl (POSIX)")
 
@@ -46,7 +46,7 @@ BROKEN = "int first() { return undeclared_alpha; }\nint second() { return undecl
 LOADER = textwrap.dedent("""\
     import json, sys, time
     from pathlib import Path
-    from aah import ring_decode
+    from aah.decode import ring_decode
 
     ring_decode._CSRC = Path(sys.argv[1])
     compile_for_real, calls = ring_decode._compile, []
@@ -76,7 +76,7 @@ LOADER = textwrap.dedent("""\
 
 @pytest.fixture
 def fresh(tmp_path, monkeypatch):
-    """``aah.ring_decode`` with an empty extensions folder and nothing loaded yet in this process."""
+    """``aah.decode.ring_decode`` with an empty extensions folder and nothing loaded yet in this process."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
     monkeypatch.setenv("AAH_RING_KERNEL", "1")
     monkeypatch.delenv("AAH_RING_KERNEL_RETRY", raising=False)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from aah import ring_decode
+from aah.decode import ring_decode
 from aah.vllm import paged as paged_module
 from aah.vllm.paged import Batch, PagedKV, windowed_attention
 from aah.vllm.plan import plan_layer, rank_heads

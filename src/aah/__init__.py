@@ -8,9 +8,9 @@ skip the work outside each window.
 from . import regimes, windows
 from .attention import AAHAttention
 from .backends import attend, backend_names, register_backend
-from .cache import WindowKVCache
+from .decode.cache import WindowKVCache
 from .controller import ControllerConfig, Decision, HeadController
-from .generate import generate
+from .decode.generate import generate
 from .model import GPT, GPTConfig
 
 __version__ = "0.1.0"

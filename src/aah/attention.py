@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from .backends import attend, resolve_backend
-from .cache import LayerKVCache
+from .decode.cache import LayerKVCache
 from .controller import ControllerConfig, HeadController
-from .ring_decode import linear
+from .decode.ring_decode import linear
 
 __all__ = ["AAHAttention", "RotaryEmbedding"]
 
@@ -102,7 +102,7 @@ class AAHAttention(nn.Module):
     def forward(self, x: torch.Tensor, *, cache: LayerKVCache | None = None) -> torch.Tensor:
         """Attention output (B, T, d_model) of ``x`` (B, T, d_model).
 
-        With ``cache`` (see :mod:`aah.cache`), ``x`` holds the positions that
+        With ``cache`` (see :mod:`aah.decode.cache`), ``x`` holds the positions that
         follow the cached prefix; the cache supplies the earlier keys and values
         and the frozen windows, and stores the new ones.
         """
@@ -165,7 +165,7 @@ class AAHAttention(nn.Module):
         """One decode step from the packed projection ``qkv`` (B, (H + 2 H_kv) D), in one compiled call.
 
         Rotary embedding, the ring write and the attention over the windows run
-        in :func:`aah.ring_decode.ring_decode_packed`; the result equals the
+        in :func:`aah.decode.ring_decode.ring_decode_packed`; the result equals the
         unpacked path (rotate, ``update_and_attend``) of :meth:`_cached_forward`.
         """
         self.check_cache(cache)

@@ -16,7 +16,7 @@ COMMAND_MODULES = (
     "aah.evaluate.cli",
     "aah.experiment.cli",
     "aah.report.cli",
-    "aah.generate_cli",
+    "aah.decode.cli",
     "aah.hf.cli",
 )
 

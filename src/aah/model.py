@@ -15,12 +15,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from . import ring_decode
+from .decode import ring_decode
 from .attention import AAHAttention
-from .cache import LayerKVCache, WindowKVCache
+from .decode.cache import LayerKVCache, WindowKVCache
 from .controller import ControllerConfig, HeadController
 from .controller.budgeted import settle_model_budget
-from .ring_decode import linear
+from .decode.ring_decode import linear
 from .windows import acr, causal_coverage
 
 __all__ = ["GPTConfig", "GPT", "NORMS", "ACTIVATIONS", "POSITIONALS"]
@@ -174,7 +174,7 @@ class Block(nn.Module):
                 mlp._modules["up"], mlp._modules["down"])
 
     def _compiled_decode_step(self, x: torch.Tensor, cache: LayerKVCache, block: ring_decode.Block) -> torch.Tensor:
-        """One decode step of the whole block in one call of :func:`aah.ring_decode.decode_block`.
+        """One decode step of the whole block in one call of :func:`aah.decode.ring_decode.decode_block`.
 
         The operations of the module path in evaluation mode (where dropout is
         the identity), in its order: norm, QKV projection, rotary embedding,
@@ -237,7 +237,7 @@ class GPT(nn.Module):
         With ``cache`` (from :meth:`new_cache`), ``idx`` holds the next token(s)
         after the cached prefix, at absolute positions ``cache.length ..``; the
         first call may pass the whole prompt (prefill). Inference only: the
-        model must be in evaluation mode. See :mod:`aah.cache`.
+        model must be in evaluation mode. See :mod:`aah.decode.cache`.
         """
         if idx.dim() != 2:
             raise ValueError(f"idx must have shape (batch, length), got {tuple(idx.shape)}")
@@ -274,7 +274,7 @@ class GPT(nn.Module):
     ) -> WindowKVCache:
         """An empty per-window KV cache for decoding up to ``max_len`` positions (default max_seq_len).
 
-        The current windows are frozen into the cache; see :mod:`aah.cache`.
+        The current windows are frozen into the cache; see :mod:`aah.decode.cache`.
         """
         return WindowKVCache.for_model(self, batch_size, max_len, dtype=dtype, device=device)
 

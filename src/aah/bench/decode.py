@@ -16,7 +16,7 @@ The JSON object (``--json``) is a stable schema:
 
 * ``config``: the settings, with ``windows`` (per query head, the AAH model's),
   ``acr`` and ``causal_coverage`` of those windows at the model's length ``seq_len``,
-  and ``decode_step``: ``compiled`` (:mod:`aah.ring_decode`, both models) or
+  and ``decode_step``: ``compiled`` (:mod:`aah.decode.ring_decode`, both models) or
   ``pytorch (why)``;
 * ``results``: one object per model, ``name`` (``full`` or ``aah``),
   ``prefill_s``, ``decode_tok_s`` (batch x new tokens / decode seconds),
@@ -39,7 +39,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import ring_decode
+from ..decode import ring_decode
 from ..controller import ControllerConfig
 from ..controller.selection import share_within_kv_groups
 from ..errors import CLIError

@@ -5,7 +5,7 @@ projections, rotary embedding, cache update, attention, three MLP projections, r
 each paying PyTorch's fixed costs, and the general matrix product is slow for one row. When a
 patched model decodes into an :mod:`aah.hf.cache` window cache on CPU, :func:`adopt_layers`
 moves each decoder layer into a subclass whose ``forward`` runs such a step as one call of
-:func:`aah.ring_decode.decode_block` instead: the same operations in the same order, the key
+:func:`aah.decode.ring_decode.decode_block` instead: the same operations in the same order, the key
 and value written straight into the layer's ring, each head reading its window and the sinks
 before it. The layer's weights stay in its modules; nothing is copied.
 
@@ -23,7 +23,7 @@ from functools import cache
 
 import torch
 
-from .. import ring_decode
+from ..decode import ring_decode
 
 __all__ = ["BLOCK_FAMILIES", "adopt_layers", "release_layers", "layer_block"]
 
@@ -84,7 +84,7 @@ def release_layers(model: torch.nn.Module) -> None:
 
 
 def layer_block(layer: torch.nn.Module, dtype: torch.dtype) -> ring_decode.Block | None:
-    """The layer's weights as :func:`aah.ring_decode.decode_block` reads them, or ``None`` where
+    """The layer's weights as :func:`aah.decode.ring_decode.decode_block` reads them, or ``None`` where
     the compiled step would compute something else (see the module docstring)."""
     mods = layer._modules
     attn, mlp = mods["self_attn"], mods["mlp"]

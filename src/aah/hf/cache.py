@@ -12,7 +12,7 @@ granularity) the slots hold exactly what the heads read, so KV memory follows th
 (paper section 5.10's ACR, counted with sinks).
 
 All KV heads of a layer live in one pair of flat buffers (B, slots, D), KV heads of equal
-capacity side by side; this is the layout the compiled decode steps of :mod:`aah.ring_decode`
+capacity side by side; this is the layout the compiled decode steps of :mod:`aah.decode.ring_decode`
 read (:meth:`WindowCacheLayer.ring_index`). A ring grows with the tokens seen, by at least an
 eighth of its size at a time, up to ``C`` (a window at or above the context costs what a
 dynamic cache costs), never beyond.
@@ -23,7 +23,7 @@ The routes of a call (:attr:`WindowCacheLayer.route`):
   CPU runs the whole decoder layer in one compiled call (:mod:`aah.hf.block_step`);
 * ``compiled attention``: any other one-token step without padding on CPU runs the layer's
   modules, and its attention reads each head's window and the sinks before it from the flat
-  buffers in one call (:func:`aah.ring_decode.ring_decode`);
+  buffers in one call (:func:`aah.decode.ring_decode.ring_decode`);
 * ``masked``: everything else (chunked prefill after a prefix, padding, other devices, no
   compiler) attends over the slots plus the new tokens with an exact position mask, then
   stores the new tokens; ``prefill``: the first call, which the model's backends run.
@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .. import ring_decode
+from ..decode import ring_decode
 from ._transformers import require
 from .patching import SPEC_ATTR, LayerWindows, attend_without_cache, layer_specs, visible_keys
 from .windowed_kv import Pending, WindowedKV
@@ -341,7 +341,7 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
 
     def _decode_compiled(self, query: torch.Tensor, scaling: float | None, length: int) -> torch.Tensor:
         """Each head's window and the sinks before it, read from the flat buffers in one call of
-        :func:`aah.ring_decode.ring_decode` (rows start at position 0: no padding)."""
+        :func:`aah.decode.ring_decode.ring_decode` (rows start at position 0: no padding)."""
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         ring_start, allocated, _ = self.ring_index()
         out = ring_decode.ring_decode(
@@ -359,7 +359,7 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         attention: torch.nn.Module,
     ) -> torch.Tensor | None:
         """One decode step of a whole decoder layer whose attention reads this cache, in one call
-        of :func:`aah.ring_decode.decode_block`; ``None`` where the step must take the module
+        of :func:`aah.decode.ring_decode.decode_block`; ``None`` where the step must take the module
         path (this cache records writes for ``crop``, a row was padded, the positions or the
         windows are not this cache's, no compiled step). ``hidden_states`` (B, 1, d_model)."""
         if not self.is_initialized or self.crop_limit or self.record_past or hidden_states.device.type != "cpu":
@@ -474,7 +474,7 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
 
     def ring_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(ring_start, capacity, scratch) as the compiled steps read the flat buffers
-        (:class:`aah.ring_decode.Rings`): for every KV head, in KV head order, the slot of its
+        (:class:`aah.decode.ring_decode.Rings`): for every KV head, in KV head order, the slot of its
         first ring entry (its sinks in the slots before) and its allocated ring slots; a float32
         (1, slots) tensor the packed step marks (this cache keeps its own record of the slots)."""
         if self._ring_index is None:

@@ -9,7 +9,7 @@ window ``W``) with ``S`` sinks, :func:`windowed_attention` splits each request's
   so a plain sliding-window kernel is exact for them: the ``kernel`` callable (vLLM's CPU
   kernel in :mod:`aah.vllm.backend`) runs them, and with ``S = 0`` it runs every query;
 * the other queries also need the sinks ``j <= p - W`` that fell out of their window; they run
-  in the compiled :func:`aah.ring_decode.paged_attention` (one call per window class, or one
+  in the compiled :func:`aah.decode.ring_decode.paged_attention` (one call per window class, or one
   per layer when all its heads share a window), which reads the window and the sinks straight
   from the pages. Where the extension cannot be built they run here in PyTorch: keys gathered
   from the pages, sinks and window in one softmax; a request with one new token (a decode
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .. import ring_decode
+from ..decode import ring_decode
 from .plan import LayerPlan, WindowClass
 
 __all__ = ["Batch", "PagedKV", "windowed_attention"]

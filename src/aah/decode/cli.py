@@ -6,11 +6,11 @@ the newest checkpoint that verifies against its sha256 manifest (as ``aah eval``
 and ``--resume`` choose it): each newer, damaged one is named on stderr and
 passed over. A checkpoint named with ``--checkpoint`` that is damaged is an
 error, not a fallback. The prompt is encoded with the run's own tokenizer, prefilled through
-the cache of :mod:`aah.cache`, and every new token is printed as soon as it is
+the cache of :mod:`aah.decode.cache`, and every new token is printed as soon as it is
 decoded (a multi-byte character waits for its last byte). The text goes to
 stdout; a last line on stderr gives the new tokens, tokens/s, the KV-cache
 bytes next to a full cache of the same length, and which decode step ran
-(:func:`aah.ring_decode.decode_step_label`).
+(:func:`aah.decode.ring_decode.decode_step_label`).
 
 Every expected failure (a folder that is not a run, an unknown or unreadable
 checkpoint, an empty or too long prompt, a bad option) is a
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from . import ring_decode
-from .errors import CLIError
+from ..errors import CLIError
 
 __all__ = ["add_commands", "run_generate"]
 
@@ -94,7 +94,7 @@ def _checkpoint_folder(run_dir: Path, checkpoint: int | None, warn: Callable[[st
     Without ``checkpoint`` the newest checkpoint that verifies, each newer bad one named
     through ``warn``; a named ``checkpoint`` that is missing or bad is an error, not a fallback.
     """
-    from .train.checkpoint import CheckpointError, checkpoint_at, newest_good_checkpoint
+    from ..train.checkpoint import CheckpointError, checkpoint_at, newest_good_checkpoint
 
     try:
         if checkpoint is None:
@@ -110,10 +110,10 @@ def _load(run_dir: Path, checkpoint: int | None, device: str, warn: Callable[[st
 
     ``warn`` hears about the bad checkpoints passed over (see :func:`_checkpoint_folder`).
     """
-    from .config import ConfigError, load_config
-    from .data.tokenizers import get_tokenizer
-    from .train.checkpoint import CheckpointError, load_checkpoint
-    from .train.setup import model_from_config
+    from ..config import ConfigError, load_config
+    from ..data.tokenizers import get_tokenizer
+    from ..train.checkpoint import CheckpointError, load_checkpoint
+    from ..train.setup import model_from_config
 
     if not run_dir.is_dir():
         raise CLIError(f"{run_dir} is not a folder")

@@ -387,7 +387,7 @@ def paged_attention(
 
 
 class Rings(NamedTuple):
-    """A layer's ring buffers as the compiled steps read them (built once by :class:`aah.cache.LayerKVCache`).
+    """A layer's ring buffers as the compiled steps read them (built once by :class:`aah.decode.cache.LayerKVCache`).
 
     ``keys``, ``values`` (B, S, D): every KV head's ring, KV head ``g`` in slots
     ``ring_start[g] .. ring_start[g] + capacity[g]``; ``unread`` (1, S): the

@@ -41,7 +41,7 @@ The paths through a layer:
   needs no mask. Before that (rings still filling) and for a query head whose
   window is smaller than its KV head's ring (GQA with mixed windows), an
   additive mask is computed from the age of each slot.
-* **The compiled decode step** (:mod:`aah.ring_decode`, CPU): where it is
+* **The compiled decode step** (:mod:`aah.decode.ring_decode`, CPU): where it is
   built, one decode step is one call instead: after the write, every (batch
   row, query head) reads the last ``min(W, length, C)`` entries of its KV
   head's ring straight from the flat storage, in spans spread over the
@@ -69,11 +69,11 @@ import torch
 from torch.nn import functional as F
 
 from . import ring_decode
-from .backends import attend
-from .windows import window_tuple
+from ..backends import attend
+from ..windows import window_tuple
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .model import GPT
+    from ..model import GPT
 
 __all__ = ["LayerKVCache", "WindowKVCache", "chunk_attention", "chunk_attention_math", "kv_capacities", "slot_positions"]
 
@@ -348,7 +348,7 @@ class LayerKVCache:
         self._order = None if order == list(range(num_kv_heads)) else torch.tensor(
             [order.index(g) for g in range(num_kv_heads)], device=self.device
         )
-        # What the compiled decode step (aah.ring_decode) reads: each KV head's ring in the flat
+        # What the compiled decode step (aah.decode.ring_decode) reads: each KV head's ring in the flat
         # storage, and each query head's window.
         self._rings = ring_decode.Rings(
             self._flat_keys, self._flat_values, self._flat_unread,
@@ -503,7 +503,7 @@ class LayerKVCache:
         ``qkv`` (B, (H + 2 H_kv) D) holds the query, key and value heads of
         position ``length``; ``cos``, ``sin`` the rotary tables (``None``: no
         rotary embedding). The same step as :meth:`update_and_attend` with one
-        token, in one call of :func:`aah.ring_decode.ring_decode_packed`.
+        token, in one call of :func:`aah.decode.ring_decode.ring_decode_packed`.
         """
         width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         if qkv.dim() != 2 or qkv.shape[1] != width:
@@ -517,7 +517,7 @@ class LayerKVCache:
 
         ``x`` (B, d_model) is the block's input at position ``length``; ``cos``,
         ``sin`` the rotary tables (``None``: none). The step runs in one call of
-        :func:`aah.ring_decode.decode_block` (:meth:`aah.model.Block.forward` uses it).
+        :func:`aah.decode.ring_decode.decode_block` (:meth:`aah.model.Block.forward` uses it).
         """
         if x.dim() != 2:
             raise ValueError(f"x must be (batch, d_model), got {tuple(x.shape)}")

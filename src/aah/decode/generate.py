@@ -1,7 +1,7 @@
 """Autoregressive generation with the per-window KV cache (paper section 5.8).
 
 :func:`generate` decodes greedily (``temperature=0``) or by sampling, with the
-ring-buffer cache of :mod:`aah.cache` (one prefill of the prompt, then one token
+ring-buffer cache of :mod:`aah.decode.cache` (one prefill of the prompt, then one token
 per step) or, with ``use_cache=False``, by recomputing the whole prefix at every
 step; both give the same tokens up to floating-point ties. The model runs in
 evaluation mode without gradients, so the head controller's windows stay fixed.
@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import torch
 
 from .cache import kv_capacities
-from .model import GPT
+from ..model import GPT
 
 __all__ = ["generate", "iter_tokens", "cache_memory_report"]
 
