@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from ..decode import ring_decode
+from ..windows import visible
 from ._transformers import require
 from .patching import SPEC_ATTR, LayerWindows, attend_without_cache, layer_specs, visible_keys
 from .windowed_kv import Pending, WindowedKV
@@ -403,9 +404,9 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         device, sinks = query.device, self.sink_tokens
         qpos = torch.arange(pending.start, pending.start + new, device=device)
         sink_pos = self._sink_positions()  # (B, S)
-        visible = None
+        unmasked = None
         if attention_mask is not None:
-            visible = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+            unmasked = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
         out = torch.empty_like(query)
         for g in self.groups:
             keys = torch.cat([g.keys, pending.keys[:, g.kv_heads]], dim=2)
@@ -415,15 +416,19 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
             dist = qpos[None, :, None] - kpos[:, None, :]  # (B, T_new, K)
             windows = torch.tensor(g.query_windows, device=device)[None, :, None, None]
             in_window = dist[:, None] < windows  # (B, heads, T_new, K)
-            stored_sink = (sink_pos < pending.start)[:, None, None, :]  # sink slots written before
-            sink_slot_ok = stored_sink & ~in_window[..., :sinks]  # a sink outside the window
-            ring_ok = (g.ring_positions >= 0)[None, None, None, :] & in_window[..., sinks:sinks + g.allocated]
-            new_is_sink = (qpos[None] >= self.sink_start[:, None]) & (qpos[None] < self.sink_start[:, None] + sinks)
-            new_ok = in_window[..., sinks + g.allocated:] | new_is_sink[:, None, None, :]
-            allowed = torch.cat([sink_slot_ok, ring_ok, new_ok], dim=-1) & (dist >= 0)[:, None]
-            if visible is not None:
-                columns = kpos.clamp(0, visible.shape[-1] - 1)[:, None, None, :].expand(-1, 1, new, -1)
-                allowed = allowed & visible.gather(-1, columns)
+            rule = visible(qpos[:, None], kpos[:, None, None, :], windows, sinks, self.sink_start[:, None, None, None])
+            # Each key is read from one column: a sink outside the window from its sink slot (once
+            # written), every other key from the ring or the new tokens.
+            stored_sink = (sink_pos < pending.start)[:, None, None, :]
+            written = (g.ring_positions >= 0)[None, None, None, :]
+            reader = torch.cat([
+                stored_sink & ~in_window[..., :sinks], written & in_window[..., sinks:sinks + g.allocated],
+                torch.ones_like(in_window[..., sinks + g.allocated:]),
+            ], dim=-1)
+            allowed = rule & reader
+            if unmasked is not None:
+                columns = kpos.clamp(0, unmasked.shape[-1] - 1)[:, None, None, :].expand(-1, 1, new, -1)
+                allowed = allowed & unmasked.gather(-1, columns)
             allowed = allowed | (~allowed.any(-1, keepdim=True) & (dist == 0)[:, None])
             q = query[:, g.query_heads]
             out[:, g.query_heads] = F.scaled_dot_product_attention(
