@@ -269,6 +269,11 @@ def test_a_cache_never_loses_keys_inside_a_window_silently():
         capped = hf.new_cache(model, max_cache_len=8)
         with pytest.raises(ValueError, match="max_cache_len=8"):
             model(_ids(1, 9), past_key_values=capped)
+        # A one-token step past the cap raises too, on whichever decode route it takes.
+        capped = hf.new_cache(model, max_cache_len=8)
+        model(_ids(1, 8), past_key_values=capped)
+        with pytest.raises(ValueError, match="max_cache_len=8"):
+            model(_ids(1, 1), past_key_values=capped)
     ref = reference_logits(model, out.sequences, full, 0)[:, 9:23]
     torch.testing.assert_close(torch.stack(out.logits, 1), ref, atol=2e-4, rtol=1e-4)
 
@@ -422,6 +427,8 @@ def test_patched_models_pickle_and_deep_copy(kind):
         buffer.seek(0)
         loaded = torch.load(buffer, weights_only=False)
         assert torch.equal(hf.patched_windows(loaded), WINDOWS)
+        # Decoder layers moved into their compiled-step class (Llama, Mistral) come back in it.
+        assert [type(layer) for layer in loaded.model.layers] == [type(layer) for layer in model.model.layers]
         assert torch.equal(loaded.generate(prompt, max_new_tokens=6, do_sample=False), expected)
         twin = copy.deepcopy(model)
         other = torch.tensor([[7, 7, 2, 2], [3, 3, 5, 5]])
@@ -432,6 +439,7 @@ def test_patched_models_pickle_and_deep_copy(kind):
     torch.testing.assert_close(torch.stack(out.logits, 1), ref, atol=2e-4, rtol=1e-4)
     hf.unpatch(twin)
     assert type(twin) is type(_tiny(kind))
+    assert {type(layer) for layer in twin.model.layers} == {type(_tiny(kind).model.layers[0])}
 
 
 def test_save_pretrained_of_a_patched_model_names_the_model_class(tmp_path):

@@ -154,14 +154,11 @@ class Block(nn.Module):
         extras = tuple(m for m in (attn.rotary, attn.aah_state, self.dropout) if m is not None)
         if ring_decode.hooks_or_autocast(*modules, *extras):
             return None
-        weights = ring_decode.Block.weights_of(norm1=n1, qkv=qkv, out=out, norm2=n2, up=up, down=down)
-        if not all(t is None or (t.dtype == x.dtype and t.is_contiguous()) for t in weights):
-            return None
         norm = "layernorm" if type(n1) is nn.LayerNorm else "rmsnorm"
         # RMSNorm's default eps is that of the dtype it computes in (float32 for bfloat16 input).
         default_eps = torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps
         eps = (default_eps if n1.eps is None else n1.eps, default_eps if n2.eps is None else n2.eps)
-        return ring_decode.Block(weights, norm, eps, mlp.activation)
+        return ring_decode.Block.of(x.dtype, norm, eps, mlp.activation, norm1=n1, qkv=qkv, out=out, norm2=n2, up=up, down=down)
 
     def _step_modules(self) -> tuple[nn.Module, ...]:
         """The block, norm1, attn, attn.qkv, attn.out, norm2, mlp, mlp.up, mlp.down.

@@ -445,7 +445,7 @@ class Block(NamedTuple):
     """What :func:`decode_block` needs of a pre-norm block besides its cache.
 
     ``weights``: a weight and a bias for each of :data:`BLOCK_PARTS`, ``None``
-    where absent (:meth:`of`). ``qkv`` is the packed projection (:class:`aah.model.Block`)
+    where absent (:meth:`of` builds them from the modules). ``qkv`` is the packed projection (:class:`aah.model.Block`)
     or, with ``key`` and ``value``, the query projection alone (a Llama-style layer);
     ``up`` gives the gate then the value of ``swiglu`` or, with ``gate``, the value alone.
     ``norm``: ``layernorm`` or ``rmsnorm``; ``eps``: the two norms' epsilons;
@@ -457,18 +457,24 @@ class Block(NamedTuple):
     eps: tuple[float, float]
     activation: str
 
-    @staticmethod
-    def weights_of(**modules: torch.nn.Module | None) -> list[torch.Tensor | None]:
-        """The weight list from modules named by :data:`BLOCK_PARTS` (missing names: absent)."""
+    @classmethod
+    def of(
+        cls, dtype: torch.dtype, norm: str, eps: tuple[float, float], activation: str,
+        **modules: torch.nn.Module | None,
+    ) -> Block | None:
+        """The block of the modules named by :data:`BLOCK_PARTS` (missing names: absent), or
+        ``None`` when one of their tensors is not a contiguous tensor of ``dtype``."""
         unknown = set(modules) - set(BLOCK_PARTS)
         if unknown:
             raise ValueError(f"unknown block parts {sorted(unknown)}; expected some of {BLOCK_PARTS}")
-        out = []
+        weights = []
         for part in BLOCK_PARTS:
             module = modules.get(part)
             params = {} if module is None else module._parameters
-            out += [params.get("weight"), params.get("bias")]
-        return out
+            weights += [params.get("weight"), params.get("bias")]
+        if not all(t is None or (t.dtype == dtype and t.is_contiguous()) for t in weights):
+            return None
+        return cls(weights, norm, eps, activation)
 
 
 def decode_block(

@@ -19,11 +19,10 @@ which route its last step took (:attr:`aah.hf.WindowCacheLayer.route`).
 
 from __future__ import annotations
 
-from functools import cache
-
 import torch
 
 from ..decode import ring_decode
+from .generation import Adopted, adopted_class
 
 __all__ = ["BLOCK_FAMILIES", "adopt_layers", "release_layers", "layer_block"]
 
@@ -31,10 +30,8 @@ __all__ = ["BLOCK_FAMILIES", "adopt_layers", "release_layers", "layer_block"]
 BLOCK_FAMILIES = ("llama", "mistral", "qwen2")
 
 
-class _CompiledDecodeLayer:
-    """Mixed in front of a decoder layer class by :func:`adopt_layers`."""
-
-    _aah_base: type
+class _CompiledDecodeLayer(Adopted):
+    """Mixed in front of a decoder layer class by :func:`adopt_layers` (pickles as the original class)."""
 
     def forward(self, hidden_states, *args, **kwargs):
         if not args:
@@ -42,25 +39,6 @@ class _CompiledDecodeLayer:
             if out is not None:
                 return out
         return super().forward(hidden_states, *args, **kwargs)
-
-    def __reduce_ex__(self, protocol):  # pickles as the original class, adopted again on load
-        reduced = super().__reduce_ex__(protocol)
-        func, args = reduced[0], reduced[1]
-        if args and args[0] is type(self):
-            args = (self._aah_base,) + tuple(args[1:])
-        return (_rebuild, (func, args)) + tuple(reduced[2:])
-
-
-def _rebuild(func, args):
-    obj = func(*args)
-    obj.__class__ = _adopted_class(type(obj))
-    return obj
-
-
-@cache
-def _adopted_class(base: type) -> type:
-    return type(base.__name__, (_CompiledDecodeLayer, base),
-                {"_aah_base": base, "__module__": __name__, "__qualname__": base.__qualname__})
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -73,7 +51,7 @@ def adopt_layers(model: torch.nn.Module) -> None:
         return
     for layer in _decoder_layers(model):
         if not isinstance(layer, _CompiledDecodeLayer):
-            layer.__class__ = _adopted_class(type(layer))
+            layer.__class__ = adopted_class(_CompiledDecodeLayer, type(layer))
 
 
 def release_layers(model: torch.nn.Module) -> None:
@@ -100,12 +78,10 @@ def layer_block(layer: torch.nn.Module, dtype: torch.dtype) -> ring_decode.Block
     if ring_decode.hooks_or_autocast(layer, attn, mlp, norm1, norm2, *projections):
         return None
     q, k, v, o, gate, up, down = projections
-    weights = ring_decode.Block.weights_of(
-        norm1=norm1, qkv=q, key=k, value=v, out=o, norm2=norm2, gate=gate, up=up, down=down
+    return ring_decode.Block.of(
+        dtype, "rmsnorm", (norm1.variance_epsilon, norm2.variance_epsilon), "swiglu",
+        norm1=norm1, qkv=q, key=k, value=v, out=o, norm2=norm2, gate=gate, up=up, down=down,
     )
-    if not all(t is None or (t.dtype == dtype and t.is_contiguous()) for t in weights):
-        return None
-    return ring_decode.Block(weights, "rmsnorm", (norm1.variance_epsilon, norm2.variance_epsilon), "swiglu")
 
 
 def _compiled_step(layer, hidden_states: torch.Tensor, kwargs: dict) -> torch.Tensor | None:
@@ -116,9 +92,9 @@ def _compiled_step(layer, hidden_states: torch.Tensor, kwargs: dict) -> torch.Te
         return None
     from .cache import WindowCacheLayer
 
-    past = kwargs.get("past_key_values")
     attn = layer._modules["self_attn"]
-    cache_layer = getattr(past, "layers", [None] * (attn.layer_idx + 1))[attn.layer_idx]
+    layers = getattr(kwargs.get("past_key_values"), "layers", ())
+    cache_layer = layers[attn.layer_idx] if attn.layer_idx < len(layers) else None
     if not isinstance(cache_layer, WindowCacheLayer) or kwargs.get("position_embeddings") is None:
         return None
     block = layer_block(layer, hidden_states.dtype)

@@ -333,11 +333,20 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         first = torch.where(row, torch.arange(kv_len, device=row.device), kv_len).amin(dim=-1)
         self.sink_start = torch.where(unknown, first, self.sink_start)
 
-    def _can_decode_compiled(self, query, pending: Pending, attention_mask) -> bool:
-        """One new token of rows without padding, on CPU with the compiled step built."""
+    def _compiled_ready(self, x: torch.Tensor) -> bool:
+        """Whether the compiled steps can read this cache for ``x``: on CPU in the cache's dtype,
+        every row starting at position 0 (no padding seen, so the sinks are positions 0..S-1),
+        the extension built."""
         return (
-            query.shape[2] == 1 and attention_mask is None and query.device.type == "cpu"
-            and not query.requires_grad and query.dtype == self.dtype and ring_decode.load() is not None
+            x.device.type == "cpu" and x.dtype == self.dtype and not bool(self.sink_start.any())
+            and ring_decode.load() is not None
+        )
+
+    def _can_decode_compiled(self, query, pending: Pending, attention_mask) -> bool:
+        """One new token without a padding mask, no gradient, and :meth:`_compiled_ready`."""
+        return (
+            query.shape[2] == 1 and attention_mask is None and not query.requires_grad
+            and self._compiled_ready(query)
         )
 
     def _decode_compiled(self, query: torch.Tensor, scaling: float | None, length: int) -> torch.Tensor:
@@ -363,18 +372,18 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         of :func:`aah.decode.ring_decode.decode_block`; ``None`` where the step must take the module
         path (this cache records writes for ``crop``, a row was padded, the positions or the
         windows are not this cache's, no compiled step). ``hidden_states`` (B, 1, d_model)."""
-        if not self.is_initialized or self.crop_limit or self.record_past or hidden_states.device.type != "cpu":
+        if not self.is_initialized or self.crop_limit or self.record_past:
             return None
         spec = getattr(attention, SPEC_ATTR, None)
         position, batch = self.cumulative_length, hidden_states.shape[0]
         if (
             spec is None or spec.windows != self.windows or spec.sink_tokens != self.sink_tokens
-            or hidden_states.dtype != self.dtype or batch != self.sink_start.shape[0]
-            or position < self.sink_tokens or bool(self.sink_start.any())
+            or batch != self.sink_start.shape[0] or position < self.sink_tokens
             or (position_ids is not None and int(position_ids[0, -1]) != position)
-            or ring_decode.load() is None
+            or not self._compiled_ready(hidden_states)
         ):
             return None
+        self._check_room(position + 1)
         self._grow(position + 1)
         ring_start, allocated, scratch = self.ring_index()
         rings = ring_decode.Rings(self.flat_keys, self.flat_values, scratch, ring_start, allocated, self.windows_tensor)
@@ -496,10 +505,24 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
             )
         return self._ring_index
 
+    def _check_room(self, end: int) -> None:
+        """``ValueError`` when holding positions up to ``end - 1`` would push keys out of a window
+        (a ring capped by ``max_cache_len`` below its heads' windows)."""
+        if self.max_cache_len is None or end <= self.max_cache_len:
+            return
+        for g in self.groups:
+            if g.capacity < max(g.query_windows):
+                raise ValueError(
+                    f"this window cache holds at most max_cache_len={self.max_cache_len} positions, and "
+                    f"{end} would push keys out of windows of up to {max(g.query_windows)}; "
+                    "build it with a larger max_cache_len (aah.hf.new_cache)"
+                )
+
     def _store(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
         """Write positions ``start..`` into each row's sink slots and into the rings."""
         batch, _, new, dim = keys.shape
         sinks = self.sink_tokens
+        self._check_room(start + new)
         fresh = None  # (B, S): the sink positions this write brings, when it brings any
         if sinks:
             sink_pos = self._sink_positions()
@@ -513,12 +536,6 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
                 take = fresh[:, None, :, None]
                 g.keys[:, :, :sinks] = torch.where(take, k.gather(2, index), g.keys[:, :, :sinks])
                 g.values[:, :, :sinks] = torch.where(take, v.gather(2, index), g.values[:, :, :sinks])
-            if self.max_cache_len is not None and start + new > self.max_cache_len and g.capacity < max(g.query_windows):
-                raise ValueError(
-                    f"this window cache holds at most max_cache_len={self.max_cache_len} positions, and "
-                    f"{start + new} would push keys out of windows of up to {max(g.query_windows)}; "
-                    "build it with a larger max_cache_len (aah.hf.new_cache)"
-                )
             recording = self.crop_limit or self.record_past
             if new == 1 and not recording:  # a decode step: one slot, no index tensors
                 slot = start % g.capacity

@@ -32,27 +32,23 @@ __all__ = ["CACHE_IMPLEMENTATIONS", "adopt", "release"]
 CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")
 
 
-class _PatchedGeneration:
-    """Mixed in front of a transformers model class by :func:`adopt`."""
+class Adopted:
+    """Base of the mixins :func:`adopted_class` puts in front of a module's own class: an adopted
+    object pickles and deep-copies as its own class and is adopted again when rebuilt."""
 
     _aah_base: type
-
-    def generate(self, *args, **kwargs):
-        if kwargs.get("past_key_values") is None:
-            kwargs = _with_window_cache(self, kwargs)
-        return super().generate(*args, **kwargs)
 
     def __reduce_ex__(self, protocol):
         reduced = super().__reduce_ex__(protocol)
         func, args = reduced[0], reduced[1]
         if args and args[0] is type(self):  # copyreg.__newobj__(cls, ...): rebuild from the base class
             args = (self._aah_base,) + tuple(args[1:])
-        return (_rebuild, (func, args)) + tuple(reduced[2:])
+        return (_rebuild, (func, args, type(self).__mro__[1])) + tuple(reduced[2:])
 
 
-def _rebuild(func, args):
+def _rebuild(func, args, mixin: type | None = None):
     obj = func(*args)
-    obj.__class__ = patched_class(type(obj))
+    obj.__class__ = adopted_class(mixin or _PatchedGeneration, type(obj))
     from .patching import register
 
     register()
@@ -60,11 +56,25 @@ def _rebuild(func, args):
 
 
 @cache
+def adopted_class(mixin: type, base: type) -> type:
+    """``base`` with ``mixin`` (a subclass of :class:`Adopted`) in front, under ``base``'s own name
+    (which ``save_pretrained`` writes as the architecture)."""
+    return type(base.__name__, (mixin, base),
+                {"_aah_base": base, "__module__": mixin.__module__, "__qualname__": base.__qualname__})
+
+
+class _PatchedGeneration(Adopted):
+    """Mixed in front of a transformers model class by :func:`adopt`."""
+
+    def generate(self, *args, **kwargs):
+        if kwargs.get("past_key_values") is None:
+            kwargs = _with_window_cache(self, kwargs)
+        return super().generate(*args, **kwargs)
+
+
 def patched_class(base: type) -> type:
-    """``base`` with the patched ``generate`` and pickling, under ``base``'s own name (which
-    ``save_pretrained`` writes as the architecture)."""
-    return type(base.__name__, (_PatchedGeneration, base),
-                {"_aah_base": base, "__module__": __name__, "__qualname__": base.__qualname__})
+    """``base`` with the patched ``generate`` and pickling."""
+    return adopted_class(_PatchedGeneration, base)
 
 
 def adopt(model: torch.nn.Module) -> None:
