@@ -17,14 +17,7 @@ from torch.nn import functional as F
 from aah import GPT, ControllerConfig, GPTConfig
 from aah.decode import ring_decode
 from aah.attention import RotaryEmbedding
-from aah.decode.cache import (
-    LayerKVCache,
-    WindowKVCache,
-    chunk_attention,
-    chunk_attention_math,
-    kv_capacities,
-    slot_positions,
-)
+from aah.decode.cache import LayerKVCache, WindowKVCache, kv_capacities
 from aah.decode.generate import cache_memory_report, generate
 
 VOCAB = 61
@@ -182,7 +175,7 @@ def test_cached_logits_equal_full_recompute(case: str, schedule: str, decode_pat
     ref = reference_forward(model, idx)
     calls = []
     compiled_step = ring_decode.decode_block  # the model's decode steps: one call per block
-    monkeypatch.setattr(ring_decode, "decode_block", lambda *a: calls.append(1) or compiled_step(*a))
+    monkeypatch.setattr(ring_decode, "decode_block", lambda *a, **k: calls.append(1) or compiled_step(*a, **k))
     got, cache = cached_logits(model, idx, SCHEDULES[schedule])
     steps = SCHEDULES[schedule][1:].count(1)  # one-token calls after the first: decode steps
     assert len(calls) == (steps * len(cache.layers) if decode_path == "compiled" else 0)
@@ -293,7 +286,7 @@ def test_memory_follows_the_windows() -> None:
     assert cache.capacities.tolist() == expected_caps
     expected = sum(c * head_dim * 2 * batch * element for caps in expected_caps for c in caps)
     assert cache.memory_bytes() == expected
-    held = sum(b.keys.nbytes + b.values.nbytes for layer in cache.layers for b in layer._buckets)
+    held = sum(layer.store.flat_keys.nbytes + layer.store.flat_values.nbytes for layer in cache.layers)
     assert held == expected
     full = 2 * 2 * T_MAX * head_dim * 2 * batch * element
     assert cache.full_memory_bytes() == full
@@ -323,11 +316,17 @@ def test_capacity_rule_and_ring_positions() -> None:
     assert kv_capacities((1, 8, 64, 2), 1, 64) == (64,)
     with pytest.raises(ValueError, match="KV heads"):
         kv_capacities((1, 2, 3), 2, 64)
-    # Simulate a ring of capacity 5 written 12 times.
+    # A ring of capacity 5 written one position at a time, then 7 at once: slot p % 5 holds p.
+    layer = LayerKVCache((5,), 1, 2, batch_size=1, max_len=64)
     ring = [-1] * 5
     for n in range(13):
-        assert [p if p >= 0 else -1 for p in slot_positions(n, 5).tolist()] == ring
+        assert layer.store.groups[0].ring_positions.tolist() == ring
+        layer.store.write(torch.full((1, 1, 1, 2), float(n)), torch.zeros(1, 1, 1, 2), n)
         ring[n % 5] = n
+    layer.store.write(torch.arange(13.0, 20.0).view(1, 1, 7, 1).expand(1, 1, 7, 2), torch.zeros(1, 1, 7, 2), 13)
+    assert layer.store.groups[0].ring_positions.tolist() == [15, 16, 17, 18, 19]
+    keys, _, pos = layer.cached(0)
+    assert pos.tolist() == [15, 16, 17, 18, 19] and keys[0, :, 0].tolist() == [15.0, 16.0, 17.0, 18.0, 19.0]
 
 
 def test_cached_contents_are_the_last_positions() -> None:
@@ -542,42 +541,3 @@ def test_bfloat16_model_decodes_through_a_bfloat16_cache(decode_path: str) -> No
     err_cached = (got.double() - ref).abs().max().item()
     err_plain = (plain - ref).abs().max().item()
     assert err_cached <= 1.5 * err_plain + 1e-3, (err_cached, err_plain)
-
-
-# ---------------------------------------------------------------------- the one-call decode step
-@pytest.mark.parametrize("attention", ["fused", "math"])
-def test_chunk_attention_equals_float64_softmax_and_logsumexp(attention: str) -> None:
-    """Both implementations give each chunk's softmax output and log-sum-exp, masked slots excluded."""
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 5, 3, 8, generator=gen) for _ in range(3))
-    k, v = torch.randn(2, 5, 6, 8, generator=gen), torch.randn(2, 5, 6, 8, generator=gen)
-    readable = torch.rand(1, 5, 3, 6, generator=gen) > 0.4
-    readable[..., 0] = True
-    mask = torch.where(readable, 0.0, -1.0e30)
-    fn = chunk_attention if attention == "fused" else chunk_attention_math
-    out, lse = fn(q, k, v, mask, 0.3)
-    scores = (q.double() @ k.double().transpose(-1, -2) * 0.3).masked_fill(~readable, float("-inf"))
-    torch.testing.assert_close(lse.double(), torch.logsumexp(scores, -1), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(out.double(), scores.softmax(-1) @ v.double(), rtol=1e-5, atol=1e-5)
-
-
-def test_paper_ladder_decodes_in_one_call_and_small_divisors_per_capacity() -> None:
-    """Capacities 16/32/64 share chunks of 16: one plan; capacities 2/4/8/1 get one call each."""
-    chunked = LayerKVCache((16, 32, 64, 16), 4, 8, batch_size=1, max_len=64)
-    assert chunked.chunk == 16 and len(chunked._plans) == 1
-    assert chunked.keys.shape == (1, 1 + 2 + 4 + 1, 16, 8)  # no padding: memory is the capacities
-    small = LayerKVCache((2, 4, 8, 1), 4, 8, batch_size=1, max_len=64)
-    assert small.chunk == 1 and len(small._plans) == 4
-
-
-@pytest.mark.parametrize("case", ["mha_local_rope", "gqa_mixed_rope", "mqa_mixed_rope"])
-def test_tiny_chunks_decode_exactly(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Forced through one call over chunks of length 1 (gcd of the capacities), decoding stays exact."""
-    monkeypatch.setattr("aah.decode.cache.MIN_CHUNK", 1)
-    monkeypatch.setenv("AAH_RING_KERNEL", "0")  # the PyTorch plans
-    windows, kv, positional = CASES[case]
-    model = make_model(windows, n_kv_heads=kv, positional=positional)
-    idx = tokens(2, 40)
-    got, cache = cached_logits(model, idx, SCHEDULES["prefill3_steps"][:38])
-    assert all(len(layer._plans) == 1 for layer in cache.layers)
-    torch.testing.assert_close(got.double(), reference_forward(model, idx)["logits"][:, :40], **TOL)

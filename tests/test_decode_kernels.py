@@ -131,24 +131,26 @@ def test_packed_step_rejects_bad_input(compiled):
         compiled.ring_decode_packed(torch.zeros(1, 16), torch.zeros(2, 4), torch.zeros(2, 4), *args)
 
 
-def test_attention_module_decodes_through_the_packed_step(compiled, monkeypatch):
-    """AAHAttention alone with a LayerKVCache: the packed step equals the unpacked PyTorch step."""
+def test_attention_module_decodes_through_the_compiled_attention_route(compiled, monkeypatch):
+    """AAHAttention alone with a LayerKVCache: one ring_decode call per one-token step, equal to the
+    masked route and to the forward without a cache."""
     torch.manual_seed(0)
     attn = AAHAttention(32, 4, 2, max_seq_len=32, controller=ControllerConfig(windows=(2, 4, 8), scoring="none"))
     attn.aah_state.pin_windows((2, 8, 4, 2))
     attn.eval()
     x = torch.randn(2, 12, 32)
     calls = []
-    packed = compiled.ring_decode_packed
-    monkeypatch.setattr(compiled, "ring_decode_packed", lambda *a: calls.append(1) or packed(*a))
-    outs = {}
+    kernel_call = compiled.ring_decode
+    monkeypatch.setattr(compiled, "ring_decode", lambda *a, **k: calls.append(1) or kernel_call(*a, **k))
+    outs, routes = {}, {}
     for kernel in ("1", "0"):
         monkeypatch.setenv("AAH_RING_KERNEL", kernel)
         cache = LayerKVCache(attn.current_windows(32), 2, 8, batch_size=2, max_len=32)
         with torch.no_grad():
             parts = [attn(x[:, :5], cache=cache)] + [attn(x[:, i : i + 1], cache=cache) for i in range(5, 12)]
-        outs[kernel] = torch.cat(parts, dim=1)
+        outs[kernel], routes[kernel] = torch.cat(parts, dim=1), cache.route
     assert len(calls) == 7  # the decode steps with the kernel on
+    assert routes == {"1": "compiled attention", "0": "masked"}
     torch.testing.assert_close(outs["1"], outs["0"], rtol=1e-5, atol=1e-6)
     with torch.no_grad():
         torch.testing.assert_close(outs["1"], attn(x), rtol=1e-5, atol=1e-6)
@@ -180,7 +182,7 @@ def block_calls(compiled, monkeypatch) -> list[int]:
     """One entry per call of the compiled block step (aah.decode.ring_decode.decode_block)."""
     calls: list[int] = []
     block_step = compiled.decode_block
-    monkeypatch.setattr(compiled, "decode_block", lambda *a: calls.append(1) or block_step(*a))
+    monkeypatch.setattr(compiled, "decode_block", lambda *a, **k: calls.append(1) or block_step(*a, **k))
     return calls
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from aah.decode.rings import RingStore
+
 transformers = pytest.importorskip("transformers")
 
 from aah import hf  # noqa: E402
@@ -114,13 +116,13 @@ def test_decode_with_full_rings_and_group_windows_builds_no_mask(monkeypatch):
     hf.patch(model, torch.tensor([[5, 5, 7, 7], [3, 3, 3, 3]]), sink_tokens=2)
     prompt = _ids(2, 12, seed=7)
     masked_calls = []
-    original = hf.WindowCacheLayer._attend_masked
+    original = RingStore.attend
 
     def spy(self, query, *args, **kwargs):
         masked_calls.append(query.shape[2])
         return original(self, query, *args, **kwargs)
 
-    monkeypatch.setattr(hf.WindowCacheLayer, "_attend_masked", spy)
+    monkeypatch.setattr(RingStore, "attend", spy)
     with torch.no_grad():
         out = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(out, _greedy_by_recompute(model, prompt, 6))

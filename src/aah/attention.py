@@ -111,10 +111,7 @@ class AAHAttention(nn.Module):
         if offset + t > self.max_seq_len:
             raise ValueError(f"sequence length {offset + t} exceeds max_seq_len {self.max_seq_len}")
         h, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = linear(self.qkv, x)
-        if cache is not None and t == 1 and cache.packed_step(qkv):
-            return self._packed_decode_step(qkv.view(b, -1), cache)
-        qkv = qkv.view(b, t, h + 2 * h_kv, d)
+        qkv = linear(self.qkv, x).view(b, t, h + 2 * h_kv, d)
         if self.rotary is not None:
             # Queries and keys are rotated in one call: (B, T, H + H_kv, D) seen as (B, heads, T, D).
             qk = self.rotary(qkv[:, :, : h + h_kv].transpose(1, 2), offset)
@@ -160,19 +157,6 @@ class AAHAttention(nn.Module):
         y = cache.update_and_attend(q, k, v, backend=backend)
         self.last_windows = cache.windows
         return linear(self.out, y.transpose(1, 2).reshape(b, t, h * d))
-
-    def _packed_decode_step(self, qkv: torch.Tensor, cache: LayerKVCache) -> torch.Tensor:
-        """One decode step from the packed projection ``qkv`` (B, (H + 2 H_kv) D), in one compiled call.
-
-        Rotary embedding, the ring write and the attention over the windows run
-        in :func:`aah.decode.ring_decode.ring_decode_packed`; the result equals the
-        unpacked path (rotate, ``update_and_attend``) of :meth:`_cached_forward`.
-        """
-        self.check_cache(cache)
-        cos, sin = (None, None) if self.rotary is None else self.rotary.tables()
-        y = cache.decode_packed(qkv, cos, sin)
-        self.last_windows = cache.windows
-        return linear(self.out, y[:, None])
 
     def _backend_for(self, x: torch.Tensor) -> str:
         name = self.backend

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .decode import ring_decode
 from .attention import AAHAttention
+from .decode.block_step import block_step
 from .decode.cache import LayerKVCache, WindowKVCache
 from .controller import ControllerConfig, HeadController
 from .controller.budgeted import settle_model_budget
@@ -128,66 +128,11 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, *, cache: LayerKVCache | None = None) -> torch.Tensor:
         if cache is not None and x.shape[1] == 1:
-            block = self._compiled_block(x, cache)
-            if block is not None:
-                return self._compiled_decode_step(x, cache, block)
+            y = block_step(self, x, cache)  # the decode engine's compiled step, where it applies
+            if y is not None:
+                return y
         x = x + self.dropout(self.attn(self.norm1(x), cache=cache))
         return x + self.dropout(self.mlp(self.norm2(x)))
-
-    def _compiled_block(self, x: torch.Tensor, cache: LayerKVCache) -> ring_decode.Block | None:
-        """What the compiled decode step needs of this block, or ``None`` where the modules must run.
-
-        The step runs in evaluation mode without gradients, where
-        :meth:`LayerKVCache.packed_step` allows (CPU, the cache's dtype, float32
-        or bfloat16, the compiled step built), for plain ``nn.Linear`` and
-        ``nn.LayerNorm`` / ``nn.RMSNorm`` modules whose tensors have that dtype,
-        with no forward hook on the block's modules and no autocast.
-        """
-        if self.training or torch.is_grad_enabled() or not cache.packed_step(x):
-            return None
-        modules = self._step_modules()
-        _, n1, attn, qkv, out, n2, mlp, up, down = modules
-        if any(type(m) is not nn.Linear for m in (qkv, out, up, down)):
-            return None  # a subclass or wrapper (a parametrization, an adapter) may compute something else
-        if type(n1) not in (nn.LayerNorm, nn.RMSNorm) or type(n2) is not type(n1):
-            return None
-        extras = tuple(m for m in (attn.rotary, attn.aah_state, self.dropout) if m is not None)
-        if ring_decode.hooks_or_autocast(*modules, *extras):
-            return None
-        norm = "layernorm" if type(n1) is nn.LayerNorm else "rmsnorm"
-        # RMSNorm's default eps is that of the dtype it computes in (float32 for bfloat16 input).
-        default_eps = torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps
-        eps = (default_eps if n1.eps is None else n1.eps, default_eps if n2.eps is None else n2.eps)
-        return ring_decode.Block.of(x.dtype, norm, eps, mlp.activation, norm1=n1, qkv=qkv, out=out, norm2=n2, up=up, down=down)
-
-    def _step_modules(self) -> tuple[nn.Module, ...]:
-        """The block, norm1, attn, attn.qkv, attn.out, norm2, mlp, mlp.up, mlp.down.
-
-        Read from the module dictionaries: a decode step pays for every ``nn.Module`` attribute lookup.
-        """
-        mods = self._modules
-        attn, mlp = mods["attn"], mods["mlp"]
-        return (self, mods["norm1"], attn, attn._modules["qkv"], attn._modules["out"], mods["norm2"], mlp,
-                mlp._modules["up"], mlp._modules["down"])
-
-    def _compiled_decode_step(self, x: torch.Tensor, cache: LayerKVCache, block: ring_decode.Block) -> torch.Tensor:
-        """One decode step of the whole block in one call of :func:`aah.decode.ring_decode.decode_block`.
-
-        The operations of the module path in evaluation mode (where dropout is
-        the identity), in its order: norm, QKV projection, rotary embedding,
-        ring write, attention over each head's window, output projection,
-        residual, norm, MLP, residual (in bfloat16 it rounds once where the
-        modules round after each operation). ``block`` comes from
-        :meth:`_compiled_block`. The caller (:meth:`GPT.forward`) has checked
-        that the cache holds this layer's windows.
-        """
-        attn = self._modules["attn"]
-        cos, sin = (None, None) if attn.rotary is None else attn.rotary.tables()
-        b = x.shape[0]
-        y = cache.decode_block(x.view(b, -1), block, cos, sin)
-        if attn.last_windows != cache.windows:  # nn.Module.__setattr__ costs a few microseconds a step
-            attn.last_windows = cache.windows
-        return y.view(b, 1, -1)
 
 
 class GPT(nn.Module):
@@ -273,7 +218,20 @@ class GPT(nn.Module):
 
         The current windows are frozen into the cache; see :mod:`aah.decode.cache`.
         """
-        return WindowKVCache.for_model(self, batch_size, max_len, dtype=dtype, device=device)
+        limit = self.config.max_seq_len
+        max_len = limit if max_len is None else max_len
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+            raise ValueError(f"max_len must be a positive int, got {max_len!r}")
+        if max_len > limit:
+            raise ValueError(f"max_len {max_len} exceeds the model's max_seq_len {limit}")
+        weight = self.embed.weight
+        dtype = weight.dtype if dtype is None else dtype
+        device = weight.device if device is None else device
+        return WindowKVCache([
+            LayerKVCache(attn.current_windows(max_len), attn.num_kv_heads, attn.head_dim, batch_size=batch_size,
+                         max_len=max_len, dtype=dtype, device=device)
+            for attn in self.attention_layers()
+        ])
 
     def _check_cache(self, cache: WindowKVCache) -> None:
         if not isinstance(cache, WindowKVCache):

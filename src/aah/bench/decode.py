@@ -239,6 +239,7 @@ def bench_decode(
                 "forward_s": fwd,
                 "prefill_over_forward": pre / fwd,
                 "decode_ms_per_step": dec / new_tokens * 1e3,
+                "decode_route": caches[name].route,
                 "backend": ",".join(model.backends_used()),
             }
         )

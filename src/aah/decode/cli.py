@@ -220,13 +220,15 @@ def run_generate(args: argparse.Namespace, out=None, err=None) -> dict:
         "kv_bytes": cache.memory_bytes(),
         "full_kv_bytes": cache.full_memory_bytes(),
         "decode_step": ring_decode.decode_step_label(cache.layers[0].device),
+        "decode_route": cache.route,
     }
     rate = "n/a" if summary["tokens_per_s"] is None else f"{summary['tokens_per_s']:.1f} tokens/s"
     err.write(
         f"-- {count} new tokens from checkpoint step {step}: {rate} decoding "
         f"(after a {summary['prefill_s']:.3f} s prefill of {len(ids)} prompt tokens); "
         f"KV cache {summary['kv_bytes']:,} bytes ({summary['kv_bytes'] / summary['full_kv_bytes']:.3f} "
-        f"of a full cache, {summary['full_kv_bytes']:,} bytes); decode step: {summary['decode_step']}\n"
+        f"of a full cache, {summary['full_kv_bytes']:,} bytes); decode step: {summary['decode_step']}, "
+        f"route: {summary['decode_route']}\n"
     )
     err.flush()
     return summary

@@ -13,11 +13,14 @@ the cache of a model takes next to a full cache of the same length.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
 from .cache import kv_capacities
-from ..model import GPT
+
+if TYPE_CHECKING:  # pragma: no cover - the model imports the decode engine, not the reverse
+    from ..model import GPT
 
 __all__ = ["generate", "iter_tokens", "cache_memory_report"]
 

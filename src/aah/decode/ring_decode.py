@@ -10,7 +10,8 @@ saves. ``csrc/`` holds the compiled replacements:
   window of its KV head's ring, in spans of at most 256 entries spread over
   the threads and joined exactly by their maxima and sums;
 * :func:`ring_decode_packed`: the rotary embedding, the ring write and that
-  attention, from a layer's packed QKV projection (:class:`aah.AAHAttention`);
+  attention, from a layer's packed QKV projection: the attention part of
+  :func:`decode_block`, callable alone for its tests;
 * :func:`linear_rows`: a linear layer for a few rows (:func:`linear` picks it),
   each weight row read once for all rows, with GELU or ReLU applied on the
   way out;
@@ -387,11 +388,12 @@ def paged_attention(
 
 
 class Rings(NamedTuple):
-    """A layer's ring buffers as the compiled steps read them (built once by :class:`aah.decode.cache.LayerKVCache`).
+    """A layer's ring buffers as the compiled steps read them (:meth:`aah.decode.rings.RingStore.rings`).
 
     ``keys``, ``values`` (B, S, D): every KV head's ring, KV head ``g`` in slots
-    ``ring_start[g] .. ring_start[g] + capacity[g]``; ``unread`` (1, S): the
-    additive mask of slots not written yet (the PyTorch path's); ``windows``
+    ``ring_start[g] .. ring_start[g] + capacity[g]``; ``unread`` (1, S) float32:
+    a row in which the step writes 0.0 at each slot it fills (the stores keep their own
+    record of the positions held); ``windows``
     (H,): each query head's window. The index tensors are int64.
     """
 

@@ -1,0 +1,333 @@
+"""One layer's KV storage for windowed decoding: sink slots and a ring per KV head (paper section 5.8).
+
+The ring-and-visibility core of both decode caches, the GPT's (:mod:`aah.decode.cache`) and
+the Hugging Face bridge's (:mod:`aah.hf.cache`). A head with window ``W`` never reads further
+back than ``W - 1`` positions, so a KV head keeps ``S + C`` slots: ``S`` sink slots for the
+first ``S`` real tokens of each row (0 for the GPT) and a ring of ``C`` slots, ``C`` the largest
+window of the query heads that read it (capped by ``max_len``), position ``p`` in ring slot
+``p mod C``. KV heads of equal capacity form a :class:`RingGroup`.
+
+Every KV head of the layer lives in one pair of flat buffers (B, slots, D), groups in order of
+capacity and KV heads in order within a group, each KV head's sink slots right before its
+ring: the layout the compiled steps of :mod:`aah.decode.ring_decode` read
+(:meth:`RingStore.ring_index`). A store may hold fewer ring slots than its capacity and grow as
+positions arrive (:meth:`RingStore.grow`, by at least ``1 / GROWTH`` of a ring at a time);
+positions below a ring's allocation sit in slot = position, so growth copies the prefix as it is.
+
+Which keys a query reads is :func:`aah.windows.visible`; :meth:`RingStore.attend` builds its mask
+from it (adding only which column, sink slot, ring slot or new token, each key is read from),
+and the compiled kernels are tested against it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..windows import visible, window_tuple
+from . import ring_decode
+
+__all__ = ["GROWTH", "RingGroup", "RingStore", "kv_capacities"]
+
+#: A ring that must grow grows by at least ``1 / GROWTH`` of its size (up to its capacity), so
+#: that decoding while long rings fill copies the buffers rarely.
+GROWTH = 8
+
+
+def kv_capacities(windows: Sequence[int], num_kv_heads: int, max_len: int | None = None) -> tuple[int, ...]:
+    """Ring length of every KV head: the largest window of its query heads, at most ``max_len``.
+
+    Query head ``h`` reads KV head ``h // (H // H_kv)`` (the grouping of :func:`aah.attend`).
+    """
+    wins = window_tuple(windows)
+    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 1:
+        raise ValueError(f"num_kv_heads must be a positive int, got {num_kv_heads!r}")
+    if len(wins) % num_kv_heads:
+        raise ValueError(f"{len(wins)} query heads cannot be split among {num_kv_heads} KV heads")
+    group = len(wins) // num_kv_heads
+    caps = [max(wins[g * group:(g + 1) * group]) for g in range(num_kv_heads)]
+    return tuple(caps if max_len is None else (min(c, max_len) for c in caps))
+
+
+@dataclass(eq=False)
+class RingGroup:
+    """KV heads that share one ring capacity, and the query heads that read them."""
+
+    capacity: int
+    kv_heads: list[int]
+    query_heads: list[int]
+    query_windows: tuple[int, ...]
+    keys: torch.Tensor | None = None  # (B, n, S + allocated, D), a view of the store's flat buffer
+    values: torch.Tensor | None = None
+    ring_positions: torch.Tensor | None = None  # (allocated,) position in each ring slot, -1: empty
+
+    @property
+    def allocated(self) -> int:
+        return 0 if self.ring_positions is None else int(self.ring_positions.numel())
+
+
+#: ``record(group, start, end, first, slots, keys, values)``: called by :meth:`RingStore.write`
+#: before positions ``first..end-1`` of a write of ``start..end-1`` overwrite ring ``slots``.
+WriteRecorder = Callable[..., None]
+
+
+class RingStore:
+    """The sink slots and rings of one layer's KV heads; see the module docstring."""
+
+    def __init__(self, windows: Sequence[int], num_kv_heads: int, *, sinks: int = 0, max_len: int | None = None):
+        self.windows = window_tuple(windows)
+        self.capacities = kv_capacities(self.windows, num_kv_heads, max_len)
+        if sinks < 0:
+            raise ValueError(f"sinks must be >= 0, got {sinks}")
+        self.sinks = sinks
+        self.num_kv_heads = num_kv_heads
+        self.windows_tensor = torch.tensor(self.windows, dtype=torch.long)  # as the compiled steps read them
+        rep = len(self.windows) // num_kv_heads
+        self.groups: list[RingGroup] = []
+        for capacity in sorted(set(self.capacities)):
+            kv_heads = [kv for kv, c in enumerate(self.capacities) if c == capacity]
+            query_heads = [kv * rep + r for kv in kv_heads for r in range(rep)]
+            self.groups.append(RingGroup(capacity, kv_heads, query_heads, tuple(self.windows[h] for h in query_heads)))
+        self.flat_keys: torch.Tensor | None = None  # (B, slots, D)
+        self.flat_values: torch.Tensor | None = None
+        self._ring_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    # -- storage --------------------------------------------------------------------------
+
+    def allocate(
+        self, batch: int, key_dim: int, value_dim: int, dtype: torch.dtype, device: torch.device, ring_slots: int = 0
+    ) -> None:
+        """Empty buffers for ``batch`` rows with ``min(capacity, ring_slots)`` ring slots per KV head."""
+        self.dtype, self.device = dtype, torch.device(device)
+        for g in self.groups:
+            g.keys = g.values = None
+            g.ring_positions = torch.full((0,), -1, dtype=torch.long, device=self.device)
+        self._lay_out(batch, key_dim, value_dim, [min(g.capacity, ring_slots) for g in self.groups])
+
+    def clear(self) -> None:
+        """Mark every ring slot empty (the buffers stay and are overwritten later)."""
+        for g in self.groups:
+            g.ring_positions.fill_(-1)
+
+    def grow(self, needed: int) -> None:
+        """Make room for ``needed`` ring slots in every group (at most its capacity)."""
+        sizes = [g.allocated for g in self.groups]
+        wanted = [
+            size if size >= min(g.capacity, needed) else min(g.capacity, max(needed, size + size // GROWTH))
+            for g, size in zip(self.groups, sizes)
+        ]
+        if wanted != sizes:
+            self._lay_out(self.flat_keys.shape[0], self.flat_keys.shape[-1], self.flat_values.shape[-1], wanted)
+
+    def _lay_out(self, batch: int, key_dim: int, value_dim: int, sizes: list[int]) -> None:
+        """New flat buffers with ``sizes[i]`` ring slots for group ``i``, holding what the old ones held."""
+        old = [(g.keys, g.values) for g in self.groups]
+        total = sum(len(g.kv_heads) * (self.sinks + size) for g, size in zip(self.groups, sizes))
+        like = dict(dtype=self.dtype, device=self.device)
+        self.flat_keys = torch.zeros(batch, total, key_dim, **like)
+        self.flat_values = torch.zeros(batch, total, value_dim, **like)
+        for g, size in zip(self.groups, sizes):
+            g.ring_positions = torch.cat([g.ring_positions, g.ring_positions.new_full((size - g.allocated,), -1)])
+        self._views()
+        for g, (keys, values) in zip(self.groups, old):
+            if keys is not None:
+                g.keys[:, :, :keys.shape[2]] = keys
+                g.values[:, :, :values.shape[2]] = values
+
+    def _views(self) -> None:
+        """Point every group's keys/values at its part of the flat buffers."""
+        batch, offset = self.flat_keys.shape[0], 0
+        for g in self.groups:
+            shape = (batch, len(g.kv_heads), self.sinks + g.allocated)
+            size = shape[1] * shape[2]
+            g.keys = self.flat_keys[:, offset:offset + size].view(*shape, self.flat_keys.shape[-1])
+            g.values = self.flat_values[:, offset:offset + size].view(*shape, self.flat_values.shape[-1])
+            offset += size
+        self._ring_index = None
+
+    def select_rows(self, select: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Replace the buffers by ``select`` of them along the batch (beam search, batch splits)."""
+        self.flat_keys, self.flat_values = select(self.flat_keys), select(self.flat_values)
+        self._views()
+
+    def memory_bytes(self) -> int:
+        """Bytes of the key and value buffers."""
+        return sum(t.numel() * t.element_size() for t in (self.flat_keys, self.flat_values) if t is not None)
+
+    def ring_index(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ring_start, allocated, scratch) as the compiled steps read the flat buffers: per KV head
+        the slot of its first ring entry (its sinks in the slots before) and its allocated ring slots;
+        a float32 (1, slots) tensor the compiled block step marks (the groups keep their own record)."""
+        if self._ring_index is None:
+            start, allocated, offset = [0] * self.num_kv_heads, [0] * self.num_kv_heads, 0
+            for g in self.groups:
+                for kv in g.kv_heads:
+                    start[kv], allocated[kv] = offset + self.sinks, g.allocated
+                    offset += self.sinks + g.allocated
+            self._ring_index = (
+                torch.tensor(start, dtype=torch.long), torch.tensor(allocated, dtype=torch.long),
+                torch.zeros(1, offset, dtype=torch.float32),
+            )
+        return self._ring_index
+
+    def rings(self) -> ring_decode.Rings:
+        """The buffers as :func:`aah.decode.ring_decode.decode_block` reads them."""
+        ring_start, allocated, scratch = self.ring_index()
+        return ring_decode.Rings(self.flat_keys, self.flat_values, scratch, ring_start, allocated, self.windows_tensor)
+
+    def held(self, kv_head: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Ring keys (B, n, D), values (B, n, D) and positions (n,) of one KV head, oldest first."""
+        for g in self.groups:
+            if kv_head in g.kv_heads:
+                i = g.kv_heads.index(kv_head)
+                order = torch.argsort(g.ring_positions)
+                order = order[g.ring_positions[order] >= 0]
+                ring = self.sinks + order
+                return g.keys[:, i, ring], g.values[:, i, ring], g.ring_positions[order]
+        raise ValueError(f"kv_head must be in [0, {self.num_kv_heads}), got {kv_head}")
+
+    # -- writes ---------------------------------------------------------------------------
+
+    def sink_positions(self, first_real: torch.Tensor) -> torch.Tensor:
+        """(B, S) position held by each sink slot of each row whose real tokens start at ``first_real`` (B,)."""
+        return first_real[:, None] + torch.arange(self.sinks, device=first_real.device)
+
+    def write(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        start: int,
+        first_real: torch.Tensor | None = None,
+        record: WriteRecorder | None = None,
+    ) -> None:
+        """Store positions ``start..`` (``keys``, ``values`` (B, H_kv, T, D)) in the sink slots and rings.
+
+        ``first_real`` (B,): where each row's real tokens start (``None``: at 0); its sink slots
+        take the positions ``first_real .. first_real + S - 1`` this write brings. ``record`` is
+        told what each ring write overwrites (:data:`WriteRecorder`).
+        """
+        batch, _, new, dim = keys.shape
+        keys, values = keys.detach().to(self.dtype), values.detach().to(self.dtype)
+        self.grow(start + new)
+        fresh = None  # (B, S): the sink positions this write brings, when it brings any
+        if self.sinks:
+            first = torch.zeros(batch, dtype=torch.long, device=keys.device) if first_real is None else first_real
+            sink_pos = self.sink_positions(first)
+            fresh = (sink_pos >= start) & (sink_pos < start + new)
+            fresh = fresh if bool(fresh.any()) else None
+        sinks = self.sinks
+        for g in self.groups:
+            k, v = (keys, values) if len(self.groups) == 1 else (keys[:, g.kv_heads], values[:, g.kv_heads])
+            if fresh is not None:
+                index = (sink_pos - start).clamp(0, new - 1)[:, None, :, None].expand(-1, k.shape[1], -1, dim)
+                take = fresh[:, None, :, None]
+                g.keys[:, :, :sinks] = torch.where(take, k.gather(2, index), g.keys[:, :, :sinks])
+                g.values[:, :, :sinks] = torch.where(take, v.gather(2, index), g.values[:, :, :sinks])
+            if new == 1 and record is None:  # a decode step: one slot, no index tensors
+                slot = start % g.capacity
+                g.keys[:, :, sinks + slot] = k[:, :, 0]
+                g.values[:, :, sinks + slot] = v[:, :, 0]
+                g.ring_positions[slot] = start
+                continue
+            first_kept = max(start, start + new - g.capacity)  # older ones would be overwritten at once
+            pos = torch.arange(first_kept, start + new, device=g.ring_positions.device)
+            slots = pos % g.capacity
+            if record is not None:
+                record(g, start, start + new, first_kept, slots, k, v)
+            g.keys[:, :, sinks + slots] = k[:, :, first_kept - start:]
+            g.values[:, :, sinks + slots] = v[:, :, first_kept - start:]
+            g.ring_positions[slots] = pos
+
+    # -- attention ------------------------------------------------------------------------
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        new_keys: torch.Tensor,
+        new_values: torch.Tensor,
+        start: int,
+        *,
+        first_real: torch.Tensor | None = None,
+        key_mask: torch.Tensor | None = None,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """Exact masked attention of ``query`` (B, H, T, D) at positions ``start..`` over the stored
+        slots plus the new keys/values (B, H_kv, T, D) of those positions, which are not stored yet.
+
+        A query reads key ``k`` where :func:`aah.windows.visible` allows it, each key from one
+        column: a sink outside the window from its sink slot (once stored), every other key from
+        the ring or the new tokens. ``first_real`` (B,) as in :meth:`write`; ``key_mask`` (B, 1,
+        T, >= start + T), ``True`` (or 0.0) where a key position may be read (a padding mask).
+        Computes in the query's dtype (float32 at least for half types on CPU).
+        """
+        batch, _, new, _ = query.shape
+        device, sinks = query.device, self.sinks
+        first = torch.zeros(batch, dtype=torch.long, device=device) if first_real is None else first_real
+        qpos = torch.arange(start, start + new, device=device)
+        sink_pos = self.sink_positions(first)  # (B, S)
+        unmasked = None
+        if key_mask is not None:
+            unmasked = key_mask if key_mask.dtype == torch.bool else key_mask == 0
+        dtype = query.dtype
+        out = torch.empty_like(query)
+        for g in self.groups:
+            keys = torch.cat([g.keys.to(dtype), new_keys[:, g.kv_heads].to(dtype)], dim=2)
+            values = torch.cat([g.values.to(dtype), new_values[:, g.kv_heads].to(dtype)], dim=2)
+            # Positions of every key column, per row: sink slots, ring slots, new tokens.
+            kpos = torch.cat([sink_pos, g.ring_positions.expand(batch, -1), qpos.expand(batch, -1)], dim=1)
+            dist = qpos[None, :, None] - kpos[:, None, :]  # (B, T_new, K)
+            windows = torch.tensor(g.query_windows, device=device)[None, :, None, None]
+            in_window = dist[:, None] < windows  # (B, heads, T_new, K)
+            rule = visible(qpos[:, None], kpos[:, None, None, :], windows, sinks, first[:, None, None, None])
+            stored_sink = (sink_pos < start)[:, None, None, :]
+            written = (g.ring_positions >= 0)[None, None, None, :]
+            reader = torch.cat([
+                stored_sink & ~in_window[..., :sinks], written & in_window[..., sinks:sinks + g.allocated],
+                torch.ones_like(in_window[..., sinks + g.allocated:]),
+            ], dim=-1)
+            allowed = rule & reader
+            if unmasked is not None:
+                columns = kpos.clamp(0, unmasked.shape[-1] - 1)[:, None, None, :].expand(-1, 1, new, -1)
+                allowed = allowed & unmasked.gather(-1, columns)
+            # A row with nothing to read (all padding) reads its own token: finite, and never used.
+            allowed = allowed | (~allowed.any(-1, keepdim=True) & (dist == 0)[:, None])
+            q = query[:, g.query_heads]
+            out[:, g.query_heads] = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=allowed, scale=scale, enable_gqa=q.shape[1] != keys.shape[1]
+            )
+        return out
+
+    def compiled_ready(self, x: torch.Tensor, first_real: torch.Tensor | None = None) -> bool:
+        """Whether the compiled steps can read this store for ``x``: on CPU in the store's dtype, no
+        gradient asked for, every row starting at position 0 (its sinks are positions 0..S-1), the
+        extension built."""
+        return (
+            x.device.type == "cpu" and self.device.type == "cpu" and x.dtype == self.dtype
+            and not (x.requires_grad and torch.is_grad_enabled())
+            and (first_real is None or not bool(first_real.any()))
+            and ring_decode.load() is not None
+        )
+
+    def decode(self, query: torch.Tensor, length: int, scale: float) -> torch.Tensor:
+        """Attention of ``query`` (B, H, D) at position ``length - 1`` (stored) over each head's
+        window and the sinks before it, in one call of :func:`aah.decode.ring_decode.ring_decode`."""
+        ring_start, allocated, _ = self.ring_index()
+        return ring_decode.ring_decode(
+            query.contiguous(), self.flat_keys, self.flat_values, ring_start, allocated, self.windows_tensor,
+            length, scale, sinks=self.sinks,
+        )
+
+    def decode_block(
+        self, x: torch.Tensor, block: ring_decode.Block, cos: torch.Tensor | None, sin: torch.Tensor | None,
+        position: int, scale: float,
+    ) -> torch.Tensor:
+        """One decode step of a whole pre-norm block at ``position`` (``x`` (B, d_model)) in one call
+        of :func:`aah.decode.ring_decode.decode_block`, which writes the new key and value."""
+        self.grow(position + 1)
+        out = ring_decode.decode_block(x.contiguous(), block, cos, sin, self.rings(), position + 1, scale, sinks=self.sinks)
+        for g in self.groups:
+            g.ring_positions[position % g.capacity] = position
+        return out
