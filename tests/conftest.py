@@ -1,4 +1,5 @@
-"""Shared test helpers: an independent float64 attention reference, a tiny offline tokenizer."""
+"""Shared test helpers: float64 attention references (one independent of aah, one built from
+aah.windows.visible), a tiny offline tokenizer."""
 
 from __future__ import annotations
 
@@ -26,6 +27,24 @@ def reference_attention(q, k, v, windows, scale=None, sink_tokens=0):
     scores = torch.einsum("bhid,bhjd->bhij", q, k) * scale
     scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.einsum("bhij,bhjd->bhid", scores.softmax(-1), v)
+
+
+def visible_attention(q, k, v, windows, scale, sink_tokens=0):
+    """float64 attention masked by :func:`aah.windows.visible` itself: one plain softmax over every key.
+
+    ``q`` (..., H, Tq, D) holds the queries at the last ``Tq`` positions of ``k`` and ``v``
+    (..., H_kv, Tk, D); ``windows`` has one entry per query head.
+    """
+    from aah.windows import visible
+
+    q, k, v = (t.double() for t in (q, k, v))
+    group = q.shape[-3] // k.shape[-3]
+    k, v = (t.repeat_interleave(group, dim=-3) for t in (k, v))
+    tq, tk = q.shape[-2], k.shape[-2]
+    w = torch.as_tensor(list(windows))[:, None, None]
+    allowed = visible(torch.arange(tk - tq, tk)[:, None], torch.arange(tk)[None, :], w, sink_tokens)  # (H, Tq, Tk)
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
+    return scores.softmax(-1) @ v
 
 
 def tiny_byte_bpe(texts, vocab_size: int, special_tokens=(), **fast_tokenizer_kwargs):

@@ -1,8 +1,8 @@
 """``flex``: per-head local windows through PyTorch FlexAttention with one block mask.
 
 Backend-realized local attention in the sense of the AAH-v3 paper (section
-7.7): the local causal predicate ``kv <= q and kv > q - W[h]`` is a FlexAttention
-``mask_mod`` that looks the window up by head index, so ONE block mask and ONE
+7.7): the window rule, :func:`aah.windows.visible` (``kv <= q and kv > q - W[h]``), is a
+FlexAttention ``mask_mod`` that looks the window up by head index, so ONE block mask and ONE
 compiled kernel serve all heads, whatever mix of windows the controller chose
 (the grouped execution of section 5.8 without splitting the heads).
 
@@ -14,7 +14,7 @@ compiled kernel serve all heads, whatever mix of windows the controller chose
   recompile the kernel.
   ``separate_full_blocks`` semantics are kept: tiles wholly inside the band are
   "full" (no mask evaluation), tiles the band edge crosses are "partial".
-* Sinks (``sink_tokens = S > 0``): the predicate becomes
+* Sinks (``sink_tokens = S > 0``): the predicate is ``visible`` with sinks,
   ``kv <= q and (kv > q - W[h] or kv < S)`` (``S`` a tensor, so every sink
   count shares the kernel) and the tile maps add the sink column tiles; one
   extra key tile per query tile row for ``S <= 128``. ``S = 0`` keeps the
@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from ..windows import visible
 from .base import AttentionBackend, BackendUnavailable
 
 __all__ = ["FlexBackend", "FLEX_BLOCK", "band_block_mask", "band_tiles"]
@@ -107,26 +108,26 @@ def _indices(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _window_mask_mod(windows: torch.Tensor) -> Any:
-    """The local causal predicate with the window looked up by head index.
+    """:func:`aah.windows.visible` as a ``mask_mod``, the window looked up by head index.
 
     Every mask gets its own closure over its own window tensor; the code is the
     same, so the compiled kernel is reused (no recompilation when windows change).
     """
 
     def local_causal(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (kv_idx > q_idx - windows[h])
+        return visible(q_idx, kv_idx, windows[h])
 
     return local_causal
 
 
 def _sink_mask_mod(windows: torch.Tensor, sinks: torch.Tensor) -> Any:
-    """The local causal predicate with sinks: window looked up by head, plus keys ``< S``.
+    """:func:`aah.windows.visible` with ``S`` sinks as a ``mask_mod``, the window looked up by head.
 
     ``S`` is a 0-d tensor, so masks with different sink counts share one compiled kernel.
     """
 
     def local_causal_sinks(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & ((kv_idx > q_idx - windows[h]) | (kv_idx < sinks))
+        return visible(q_idx, kv_idx, windows[h], sinks)
 
     return local_causal_sinks
 

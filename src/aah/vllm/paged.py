@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..decode import ring_decode
+from ..windows import visible
 from .plan import LayerPlan, WindowClass
 
 __all__ = ["Batch", "PagedKV", "windowed_attention"]
@@ -317,7 +318,7 @@ def _run_singles(query, out, paged, batch, kv_head, heads, window, singles, sink
 
 def _single_slots(batch, singles, window, sinks, bs):
     """For one-query requests: token index, the pages of each window (R, P), the sinks' pages and
-    slots, and which keys are masked out (R, 1, S + P * bs); memoised per step."""
+    slots, and which keys are masked out (R, 1, S + P * bs), by :func:`_read`; memoised per step."""
     key = ("single", singles, window, sinks)
     hit = batch.memo.get(key)
     if hit is not None:
@@ -329,15 +330,24 @@ def _single_slots(batch, singles, window, sinks, bs):
     last_page = pos // bs
     count = int((last_page - first_page).max()) + 1
     index = first_page[:, None] + torch.arange(count)[None, :]  # (R, P)
-    in_range = index <= last_page[:, None]
+    # Rows with fewer pages repeat their last; the positions of those slots lie after the query's.
     pages = batch.block_table[rows[:, None], torch.minimum(index, last_page[:, None])].long()
     key_pos = (index[:, :, None] * bs + torch.arange(bs)).reshape(len(singles), -1)  # (R, P * bs)
-    valid = in_range.repeat_interleave(bs, dim=1) & (key_pos <= pos[:, None]) & (key_pos > (pos - window)[:, None])
     sink_pos = torch.arange(sinks).expand(len(singles), sinks)
-    valid = torch.cat([sink_pos <= (pos - window)[:, None], valid], dim=1)
+    valid = _read(pos[:, None], sink_pos, key_pos, (first_page * bs)[:, None], window, sinks)
     sink_blocks = batch.block_table[rows[:, None], sink_pos // bs].long()
     batch.memo[key] = (tokens, pages, sink_blocks, sink_pos % bs, ~valid[:, None, :])
     return batch.memo[key]
+
+
+def _read(q_pos, sink_pos, key_pos, first_key, window, sinks) -> torch.Tensor:
+    """Which (query, key column) pairs a softmax reads, the columns being the sink slots at
+    ``sink_pos`` followed by the gathered keys at ``key_pos`` (the gathered keys run from
+    ``first_key`` on): the pairs :func:`aah.windows.visible` allows, each key read once, a sink
+    from its own slot only when it lies before the gathered keys."""
+    sink_slot = (sink_pos < first_key).expand(*key_pos.shape[:-1], -1)
+    reader = torch.cat([sink_slot, torch.ones_like(key_pos, dtype=torch.bool)], dim=-1)
+    return visible(q_pos, torch.cat([sink_pos, key_pos], dim=-1), window, sinks) & reader
 
 
 def _run_chunk(query, out, paged, batch, cls, heads, r, first, sinks, scale) -> None:
@@ -359,23 +369,18 @@ def _run_chunk(query, out, paged, batch, cls, heads, r, first, sinks, scale) -> 
     t0 = batch.query_start[r] + first
     for a in range(p0, p1, QUERY_BLOCK):
         b = min(a + QUERY_BLOCK, p1)
+        q = query[t0 + a - p0 : t0 + b - p0, heads].transpose(0, 1)  # (G, n, D)
+        sink_part = (sk, sv) if use_sinks and b - 1 - window >= 0 else None
         if window > b - a:
-            q = query[t0 + a - p0 : t0 + b - p0, heads].transpose(0, 1)  # (G, n, D)
-            sink_part = (sk, sv) if use_sinks and b - 1 - window >= 0 else None
             res = _block_by_parts(q, k, v, lo, a, b, window, sink_part, scale)
             out[t0 + a - p0 : t0 + b - p0, heads] = res.transpose(0, 1)
             continue
         start = max(lo, a - window + 1)
-        qpos = torch.arange(a, b)[:, None]
-        kpos = torch.arange(start, b)[None, :]
-        dist = qpos - kpos
-        mask = (dist >= 0) & (dist < window)
         kb, vb = k[start - lo : b - lo], v[start - lo : b - lo]
-        if use_sinks and b - 1 - window >= 0:
-            spos = torch.arange(sinks)[None, :]
-            mask = torch.cat([spos <= qpos - window, mask], dim=1)
+        spos = torch.arange(0 if sink_part is None else sinks)
+        if sink_part is not None:
             kb, vb = torch.cat([sk, kb]), torch.cat([sv, vb])
-        q = query[t0 + a - p0 : t0 + b - p0, heads].transpose(0, 1)  # (G, n, D)
+        mask = _read(torch.arange(a, b)[:, None], spos[None, :], torch.arange(start, b)[None, :], start, window, sinks)
         res = F.scaled_dot_product_attention(q[None], kb[None, None], vb[None, None], attn_mask=mask, scale=scale, enable_gqa=True)
         out[t0 + a - p0 : t0 + b - p0, heads] = res[0].transpose(0, 1)
 
@@ -392,17 +397,14 @@ def _block_by_parts(q, k, v, lo, a, b, window, sinks, scale) -> torch.Tensor:
     inner_scores = (flat[0, 0] @ k[inner_lo - lo : a + 1 - lo].T).mul_(scale)  # (G*n, keys)
     inner_lse = torch.logsumexp(inner_scores, dim=-1)
     inner_out = inner_scores.sub_(inner_lse[:, None]).exp_() @ v[inner_lo - lo : a + 1 - lo]
-    qpos = torch.arange(a, b)[:, None]
     edge_lo = max(a - window + 1, 0)
     kpos = torch.cat([torch.arange(edge_lo, inner_lo), torch.arange(a + 1, b)])
-    dist = qpos - kpos[None, :]
-    mask = (dist >= 0) & (dist < window)
     ek = torch.cat([k[edge_lo - lo : inner_lo - lo], k[a + 1 - lo : b - lo]])
     ev = torch.cat([v[edge_lo - lo : inner_lo - lo], v[a + 1 - lo : b - lo]])
+    spos = torch.arange(0 if sinks is None else sinks[0].shape[0])
     if sinks is not None:
-        spos = torch.arange(sinks[0].shape[0])[None, :]
-        mask = torch.cat([spos <= qpos - window, mask], dim=1)
         ek, ev = torch.cat([sinks[0], ek]), torch.cat([sinks[1], ev])
+    mask = _read(torch.arange(a, b)[:, None], spos[None, :], kpos[None, :], edge_lo, window, spos.numel())
     if ek.shape[0] == 0:
         return inner_out.reshape(g, n, d)
     scores = (flat[0, 0] @ ek.T).mul_(scale).view(g, n, -1)
