@@ -7,7 +7,8 @@ dynamic cache), ``aah`` (the calibrated windows with their sinks and the window 
 * perplexity on held-out token blocks (teacher forcing over whole blocks, no cache), and
   for each ratio of perplexities a 95% interval paired by block (Student-t over the blocks'
   differences of mean log-likelihood, exponentiated), so more blocks narrow it;
-* prefill tokens/s: one block through the model with a fresh cache;
+* prefill tokens/s: one block through the model with a fresh cache, the logits of its last
+  position only (``logits_to_keep=1``, as ``generate`` prefills);
 * decode tokens/s: greedy steps at ``decode_batch`` after a prompt of ``seq_len - new_tokens``
   tokens; the settings take turns within each round (one process, interleaved), and the
   median round counts;
@@ -35,7 +36,7 @@ from .cache import cache_memory_bytes, cache_route, new_cache
 from .calibration import uniform_window_for_budget
 from .patching import executed_coverage, layer_sliding_windows, layer_windows_for, patch, unpatch
 
-__all__ = ["Setting", "evaluate_settings", "markdown_table", "perplexity", "summary", "uniform_setting"]
+__all__ = ["Setting", "evaluate_settings", "last_logits", "markdown_table", "perplexity", "summary", "uniform_setting"]
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,11 @@ def _timed(fn: Callable[[], object]) -> float:
 
 
 @torch.no_grad()
+def last_logits(model, ids: torch.Tensor, cache) -> torch.Tensor:
+    """Logits (B, V) of the last position of ``ids`` after the cached prefix, computing no others."""
+    return model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+
+
 def evaluate_settings(
     model,
     settings: list[Setting],
@@ -124,7 +130,7 @@ def evaluate_settings(
         for setting in settings:
             setting.apply(model)
             cache = setting.new_cache(model)
-            prefill[setting.name].append(_timed(lambda c=cache: model(prompt, past_key_values=c, use_cache=True)))
+            prefill[setting.name].append(_timed(lambda c=cache: last_logits(model, prompt, c)))
 
     context = seq_len - new_tokens
     rows = blocks[torch.arange(decode_batch) % blocks.shape[0], :context].to(model.device)
@@ -132,8 +138,7 @@ def evaluate_settings(
     for setting in tqdm(settings, desc=f"decode prompts (batch {decode_batch})", disable=not progress, leave=False):
         setting.apply(model)
         caches[setting.name] = setting.new_cache(model)
-        logits = model(rows, past_key_values=caches[setting.name], use_cache=True).logits
-        last[setting.name] = logits[:, -1].argmax(-1, keepdim=True)
+        last[setting.name] = last_logits(model, rows, caches[setting.name]).argmax(-1, keepdim=True)
         results[setting.name]["kv_bytes"] = cache_memory_bytes(caches[setting.name])
     steps_per_round = max(1, new_tokens // rounds)
     decode = {s.name: [] for s in settings}
@@ -145,7 +150,7 @@ def evaluate_settings(
             def steps(cache=cache, token=token, name=setting.name):
                 nxt = token
                 for _ in range(steps_per_round):
-                    nxt = model(nxt, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+                    nxt = last_logits(model, nxt, cache).argmax(-1, keepdim=True)
                 last[name] = nxt
 
             decode[setting.name].append(_timed(steps))

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .evaluate import Setting
+from .evaluate import Setting, last_logits
 from .patching import executed_coverage
 from .retrieval import Sample, is_correct
 
@@ -57,13 +57,13 @@ def generate_answers(model, setting: Setting, sample: Sample, tokenizer) -> str:
     """The greedy continuation of ``sample``'s prompt under ``setting``, decoded to text."""
     ids = torch.tensor([sample.input_ids], dtype=torch.int64, device=model.device)
     cache = setting.new_cache(model)
-    logits = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    logits = last_logits(model, ids, cache)
     out = []
     for step in range(sample.max_new_tokens):
         token = logits.argmax(-1, keepdim=True)
         out.append(int(token))
         if step + 1 < sample.max_new_tokens:
-            logits = model(token, past_key_values=cache, use_cache=True).logits[:, -1]
+            logits = last_logits(model, token, cache)
     return tokenizer.decode(out, skip_special_tokens=True)
 
 
