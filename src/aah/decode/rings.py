@@ -220,7 +220,10 @@ class RingStore:
             fresh = fresh if bool(fresh.any()) else None
         sinks = self.sinks
         for g in self.groups:
-            k, v = (keys, values) if len(self.groups) == 1 else (keys[:, g.kv_heads], values[:, g.kv_heads])
+            first_kept = max(start, start + new - g.capacity)  # older ones would be overwritten at once
+            # Taken from the group's KV heads: the positions it keeps (all of them for sinks or a record).
+            lo = 0 if fresh is not None or record is not None else first_kept - start
+            k, v = self._group_heads(g, keys, lo), self._group_heads(g, values, lo)
             if fresh is not None:
                 index = (sink_pos - start).clamp(0, new - 1)[:, None, :, None].expand(-1, k.shape[1], -1, dim)
                 take = fresh[:, None, :, None]
@@ -232,14 +235,23 @@ class RingStore:
                 g.values[:, :, sinks + slot] = v[:, :, 0]
                 g.ring_positions[slot] = start
                 continue
-            first_kept = max(start, start + new - g.capacity)  # older ones would be overwritten at once
             pos = torch.arange(first_kept, start + new, device=g.ring_positions.device)
-            slots = pos % g.capacity
             if record is not None:
-                record(g, start, start + new, first_kept, slots, k, v)
-            g.keys[:, :, sinks + slots] = k[:, :, first_kept - start:]
-            g.values[:, :, sinks + slots] = v[:, :, first_kept - start:]
-            g.ring_positions[slots] = pos
+                record(g, start, start + new, first_kept, pos % g.capacity, k, v)
+            # The slots of consecutive positions are one run that wraps at most once: two slice copies.
+            first_slot, kept = first_kept % g.capacity, start + new - first_kept
+            run = min(kept, g.capacity - first_slot)
+            for buffer, new_entries in ((g.keys, k), (g.values, v)):
+                kept_entries = new_entries[:, :, first_kept - start - lo:]
+                buffer[:, :, sinks + first_slot:sinks + first_slot + run] = kept_entries[:, :, :run]
+                buffer[:, :, sinks:sinks + kept - run] = kept_entries[:, :, run:]
+            g.ring_positions[first_slot:first_slot + run] = pos[:run]
+            g.ring_positions[:kept - run] = pos[run:]
+
+    def _group_heads(self, g: RingGroup, new: torch.Tensor, lo: int) -> torch.Tensor:
+        """Positions ``lo..`` of the group's KV heads of ``new`` (B, H_kv, T, D)."""
+        new = new[:, :, lo:]
+        return new if len(self.groups) == 1 else new[:, g.kv_heads]
 
     # -- attention ------------------------------------------------------------------------
 
