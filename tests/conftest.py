@@ -1,5 +1,5 @@
-"""Shared test helpers: float64 attention references (one independent of aah, one built from
-aah.windows.visible), a tiny offline tokenizer."""
+"""Shared test helpers: the float64 attention reference (built from aah.windows.visible), a tiny
+offline tokenizer."""
 
 from __future__ import annotations
 
@@ -10,30 +10,12 @@ import torch
 
 
 def reference_attention(q, k, v, windows, scale=None, sink_tokens=0):
-    """Local causal attention written out loop-free in float64, independent of aah.
+    """float64 attention over the keys :func:`aah.windows.visible` allows: one plain softmax over every key.
 
-    Query ``i`` sees key ``j`` when ``j <= i`` and (``i - W < j`` or ``j < sink_tokens``).
-    """
-    q, k, v = (t.double() for t in (q, k, v))
-    b, h, t, d = q.shape
-    group = h // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    i = torch.arange(t)[:, None]
-    j = torch.arange(t)[None, :]
-    w = torch.as_tensor(list(windows))[:, None, None]
-    allowed = (j <= i) & ((j > i - w) | (j < sink_tokens))  # (H, T, T)
-    scores = torch.einsum("bhid,bhjd->bhij", q, k) * scale
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("bhij,bhjd->bhid", scores.softmax(-1), v)
-
-
-def visible_attention(q, k, v, windows, scale, sink_tokens=0):
-    """float64 attention masked by :func:`aah.windows.visible` itself: one plain softmax over every key.
-
-    ``q`` (..., H, Tq, D) holds the queries at the last ``Tq`` positions of ``k`` and ``v``
-    (..., H_kv, Tk, D); ``windows`` has one entry per query head.
+    The reference every backend, kernel and cache path is tested against; the rule itself is
+    checked by hand in tests/test_windows.py. ``q`` (..., H, Tq, D) holds the queries at the
+    last ``Tq`` positions of ``k`` and ``v`` (..., H_kv, Tk, D); ``windows`` has one entry per
+    query head.
     """
     from aah.windows import visible
 
@@ -41,6 +23,7 @@ def visible_attention(q, k, v, windows, scale, sink_tokens=0):
     group = q.shape[-3] // k.shape[-3]
     k, v = (t.repeat_interleave(group, dim=-3) for t in (k, v))
     tq, tk = q.shape[-2], k.shape[-2]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     w = torch.as_tensor(list(windows))[:, None, None]
     allowed = visible(torch.arange(tk - tq, tk)[:, None], torch.arange(tk)[None, :], w, sink_tokens)  # (H, Tq, Tk)
     scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))

@@ -17,7 +17,7 @@ from aah.vllm import paged as paged_module
 from aah.vllm.paged import Batch, PagedKV, windowed_attention
 from aah.vllm.plan import plan_layer, rank_heads
 
-from .conftest import visible_attention
+from .conftest import reference_attention
 
 D = 16
 BLOCK = 8
@@ -148,7 +148,7 @@ def test_paged_windows_equal_the_dense_float64_reference(case, windows, kv_heads
         ref = _dense_reference(queries[r], k, v, torch.arange(c, c + n), effective, effective_sinks, 0.25)
         got = out[int(starts[r]) : int(starts[r + 1])]
         torch.testing.assert_close(got.double(), ref, atol=2e-6, rtol=1e-5)
-        by_rule = visible_attention(*(x.transpose(0, 1) for x in (queries[r], k, v)), effective, 0.25, effective_sinks)
+        by_rule = reference_attention(*(x.transpose(0, 1) for x in (queries[r], k, v)), effective, 0.25, effective_sinks)
         torch.testing.assert_close(got.double(), by_rule.transpose(0, 1), atol=2e-6, rtol=1e-5)
 
 
