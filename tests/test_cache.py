@@ -316,6 +316,9 @@ def test_capacity_rule_and_ring_positions() -> None:
     assert kv_capacities((1, 8, 64, 2), 1, 64) == (64,)
     with pytest.raises(ValueError, match="KV heads"):
         kv_capacities((1, 2, 3), 2, 64)
+    for bad in (0, -3, True, 2.5):
+        with pytest.raises(ValueError, match="max_len must be a positive int"):
+            kv_capacities((1, 8), 1, bad)
     # A ring of capacity 5 written one position at a time, then 7 at once: slot p % 5 holds p.
     layer = LayerKVCache((5,), 1, 2, batch_size=1, max_len=64)
     ring = [-1] * 5

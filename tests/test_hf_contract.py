@@ -269,11 +269,14 @@ def test_a_cache_never_loses_keys_inside_a_window_silently():
         capped = hf.new_cache(model, max_cache_len=8)
         with pytest.raises(ValueError, match="max_cache_len=8"):
             model(_ids(1, 9), past_key_values=capped)
+        assert capped.get_seq_length() == 0  # a refused write is not counted
         # A one-token step past the cap raises too, on whichever decode route it takes.
         capped = hf.new_cache(model, max_cache_len=8)
         model(_ids(1, 8), past_key_values=capped)
         with pytest.raises(ValueError, match="max_cache_len=8"):
             model(_ids(1, 1), past_key_values=capped)
+        # The refused step counted nothing: the cache still holds the 8 positions it stored.
+        assert capped.get_seq_length() == 8
     ref = reference_logits(model, out.sequences, full, 0)[:, 9:23]
     torch.testing.assert_close(torch.stack(out.logits, 1), ref, atol=2e-4, rtol=1e-4)
 

@@ -28,15 +28,18 @@ kind of call and device:
 * ``prefill`` (the cache is empty): the model's execution backend
   (:func:`aah.attend`), then the last ``C`` keys and values of each KV head go
   into its ring;
-* ``compiled block`` (one new token, CPU, the compiled step built, no gradient,
-  plain modules): the whole block in one call (:mod:`aah.decode.block_step`);
-* ``compiled attention`` (one new token where the block's modules must run: a
-  hook, a module subclass): the new key and value are written, then one call of
+* ``compiled block`` (one new token, CPU, the compiled step built, evaluation
+  mode without gradients, float32 or bfloat16 in the cache's dtype, plain
+  modules): the whole block in one call (:mod:`aah.decode.block_step`);
+* ``compiled attention`` (one new token on CPU in the cache's dtype where the
+  block's modules must run: a hook, a module subclass, float64): the new key
+  and value are written, then one call of
   :func:`aah.decode.ring_decode.ring_decode` reads every head's window;
-* ``masked`` (several tokens after a prefix; one token on another device or
-  without the compiled step): exact attention over the rings plus the new keys,
-  masked by :func:`aah.windows.visible` at the position each slot holds; the
-  new entries are written afterwards.
+* ``masked`` (several tokens after a prefix; one token on another device, in
+  another dtype than the cache's, with a gradient, or without the compiled
+  step): exact attention over the rings plus the new keys, masked by
+  :func:`aah.windows.visible` at the position each slot holds; the new entries
+  are written afterwards.
 """
 
 from __future__ import annotations
@@ -107,6 +110,7 @@ class LayerKVCache:
     def reset(self) -> None:
         """Forget every cached position (the buffers are kept and overwritten later)."""
         self.length = 0
+        self.route = None
         self.store.clear()
 
     # ------------------------------------------------------------------ contents

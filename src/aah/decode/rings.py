@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..windows import visible, window_tuple
+from ..windows import check_sink_tokens, visible, window_tuple
 from . import ring_decode
 
 __all__ = ["GROWTH", "RingGroup", "RingStore", "kv_capacities"]
@@ -43,8 +43,9 @@ def kv_capacities(windows: Sequence[int], num_kv_heads: int, max_len: int | None
     Query head ``h`` reads KV head ``h // (H // H_kv)`` (the grouping of :func:`aah.attend`).
     """
     wins = window_tuple(windows)
-    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 1:
-        raise ValueError(f"num_kv_heads must be a positive int, got {num_kv_heads!r}")
+    for name, value in (("num_kv_heads", num_kv_heads), ("max_len", 1 if max_len is None else max_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
     if len(wins) % num_kv_heads:
         raise ValueError(f"{len(wins)} query heads cannot be split among {num_kv_heads} KV heads")
     group = len(wins) // num_kv_heads
@@ -70,7 +71,9 @@ class RingGroup:
 
 
 #: ``record(group, start, end, first, slots, keys, values)``: called by :meth:`RingStore.write`
-#: before positions ``first..end-1`` of a write of ``start..end-1`` overwrite ring ``slots``.
+#: before positions ``first..end-1`` of a write of ``start..end-1`` overwrite ring ``slots``;
+#: ``keys``/``values`` (B, n, end - start, D) are the group's KV heads of the whole write, in the
+#: store's dtype.
 WriteRecorder = Callable[..., None]
 
 
@@ -80,9 +83,7 @@ class RingStore:
     def __init__(self, windows: Sequence[int], num_kv_heads: int, *, sinks: int = 0, max_len: int | None = None):
         self.windows = window_tuple(windows)
         self.capacities = kv_capacities(self.windows, num_kv_heads, max_len)
-        if sinks < 0:
-            raise ValueError(f"sinks must be >= 0, got {sinks}")
-        self.sinks = sinks
+        self.sinks = check_sink_tokens(sinks)
         self.num_kv_heads = num_kv_heads
         self.windows_tensor = torch.tensor(self.windows, dtype=torch.long)  # as the compiled steps read them
         rep = len(self.windows) // num_kv_heads
@@ -209,7 +210,7 @@ class RingStore:
         take the positions ``first_real .. first_real + S - 1`` this write brings. ``record`` is
         told what each ring write overwrites (:data:`WriteRecorder`).
         """
-        batch, _, new, dim = keys.shape
+        batch, _, new, _ = keys.shape
         keys, values = keys.detach().to(self.dtype), values.detach().to(self.dtype)
         self.grow(start + new)
         fresh = None  # (B, S): the sink positions this write brings, when it brings any
@@ -225,10 +226,11 @@ class RingStore:
             lo = 0 if fresh is not None or record is not None else first_kept - start
             k, v = self._group_heads(g, keys, lo), self._group_heads(g, values, lo)
             if fresh is not None:
-                index = (sink_pos - start).clamp(0, new - 1)[:, None, :, None].expand(-1, k.shape[1], -1, dim)
+                index = (sink_pos - start).clamp(0, new - 1)[:, None, :, None]
                 take = fresh[:, None, :, None]
-                g.keys[:, :, :sinks] = torch.where(take, k.gather(2, index), g.keys[:, :, :sinks])
-                g.values[:, :, :sinks] = torch.where(take, v.gather(2, index), g.values[:, :, :sinks])
+                for buffer, entries in ((g.keys, k), (g.values, v)):
+                    picked = entries.gather(2, index.expand(-1, entries.shape[1], -1, entries.shape[-1]))
+                    buffer[:, :, :sinks] = torch.where(take, picked, buffer[:, :, :sinks])
             if new == 1 and record is None:  # a decode step: one slot, no index tensors
                 slot = start % g.capacity
                 g.keys[:, :, sinks + slot] = k[:, :, 0]
@@ -273,7 +275,7 @@ class RingStore:
         column: a sink outside the window from its sink slot (once stored), every other key from
         the ring or the new tokens. ``first_real`` (B,) as in :meth:`write`; ``key_mask`` (B, 1,
         T, >= start + T), ``True`` (or 0.0) where a key position may be read (a padding mask).
-        Computes in the query's dtype (float32 at least for half types on CPU).
+        Computes in the query's dtype (the stored entries are cast to it); returns (B, H, T, D_v).
         """
         batch, _, new, _ = query.shape
         device, sinks = query.device, self.sinks
@@ -284,7 +286,7 @@ class RingStore:
         if key_mask is not None:
             unmasked = key_mask if key_mask.dtype == torch.bool else key_mask == 0
         dtype = query.dtype
-        out = torch.empty_like(query)
+        out = query.new_empty(*query.shape[:-1], new_values.shape[-1])
         for g in self.groups:
             keys = torch.cat([g.keys.to(dtype), new_keys[:, g.kv_heads].to(dtype)], dim=2)
             values = torch.cat([g.values.to(dtype), new_values[:, g.kv_heads].to(dtype)], dim=2)
@@ -313,11 +315,12 @@ class RingStore:
         return out
 
     def compiled_ready(self, x: torch.Tensor, first_real: torch.Tensor | None = None) -> bool:
-        """Whether the compiled steps can read this store for ``x``: on CPU in the store's dtype, no
-        gradient asked for, every row starting at position 0 (its sinks are positions 0..S-1), the
-        extension built."""
+        """Whether the compiled steps can read this store for ``x``: on CPU in the store's dtype, keys
+        and values of one head dim, no gradient asked for, every row starting at position 0 (its
+        sinks are positions 0..S-1), the extension built."""
         return (
             x.device.type == "cpu" and self.device.type == "cpu" and x.dtype == self.dtype
+            and self.flat_keys.shape[-1] == self.flat_values.shape[-1]  # the kernels read one head dim
             and not (x.requires_grad and torch.is_grad_enabled())
             and (first_real is None or not bool(first_real.any()))
             and ring_decode.load() is not None
@@ -337,7 +340,10 @@ class RingStore:
         position: int, scale: float,
     ) -> torch.Tensor:
         """One decode step of a whole pre-norm block at ``position`` (``x`` (B, d_model)) in one call
-        of :func:`aah.decode.ring_decode.decode_block`, which writes the new key and value."""
+        of :func:`aah.decode.ring_decode.decode_block`, which writes the new key and value (to the
+        ring only: the sink slots must hold positions 0..S-1 already)."""
+        if position < self.sinks:
+            raise ValueError(f"a compiled step at position {position} would leave sink slots unwritten ({self.sinks} sinks)")
         self.grow(position + 1)
         out = ring_decode.decode_block(x.contiguous(), block, cos, sin, self.rings(), position + 1, scale, sinks=self.sinks)
         for g in self.groups:

@@ -132,6 +132,7 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
                 f"this window cache holds a batch of {self.sink_start.shape[0]} rows, the model gives "
                 f"{key_states.shape[0]}; call cache.reset() before a batch of another size"
             )
+        self._check_room(self.cumulative_length + key_states.shape[-2])  # before anything is counted
         pending = Pending(self, key_states, value_states, self.cumulative_length)
         self.cumulative_length += key_states.shape[-2]
         return WindowedKV.wrap(key_states, pending), WindowedKV.wrap(value_states, pending)
@@ -153,6 +154,7 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         self.sink_start = None
         self.cumulative_length = 0
         self._crop_floor = 0
+        self.route = None
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -335,7 +337,6 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
 
     def _store(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
         """Write positions ``start..`` into each row's sink slots and into the rings."""
-        self._check_room(start + keys.shape[2])
         record = self._record if self.crop_limit or self.record_past else None
         self.store.write(keys, values, start, first_real=self.sink_start, record=record)
 

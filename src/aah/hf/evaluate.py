@@ -101,6 +101,7 @@ def last_logits(model, ids: torch.Tensor, cache) -> torch.Tensor:
     return model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
 
 
+@torch.no_grad()
 def evaluate_settings(
     model,
     settings: list[Setting],

@@ -65,8 +65,8 @@ at::Tensor ring_decode(const at::Tensor& q, const at::Tensor& keys, const at::Te
 // layer's QKV projection gives them; cos, sin: the rotary tables (positions, D) of
 // aah.attention.RotaryEmbedding, of which row length - 1 is used (a one-row table: that row),
 // or empty tensors (no rotary embedding); sinks: as ring_decode (the new position is written to
-// its ring only); unread (1, S): the additive mask of the slots not
-// written yet, kept for the PyTorch path. Rotates the query and the key, writes the key and
+// its ring only); unread (1, S): a float32 scratch row whose entry for the written slot is set
+// to 0 (the caches keep their own record of the positions held). Rotates the query and the key, writes the key and
 // the value into slot (length - 1) % C of their KV head's ring (marking it written), then
 // attends as ring_decode. Returns (B, H * D), the heads side by side.
 at::Tensor ring_decode_packed(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
