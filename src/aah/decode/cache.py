@@ -52,7 +52,7 @@ import torch
 from . import ring_decode
 from ..backends import attend
 from ..windows import window_tuple
-from .rings import RingStore, kv_capacities
+from .rings import RingStore, joined_route, kv_capacities
 
 __all__ = ["LayerKVCache", "WindowKVCache", "kv_capacities"]
 
@@ -84,7 +84,6 @@ class LayerKVCache:
         self.max_len = _positive_int(max_len, "max_len")
         self.batch_size = _positive_int(batch_size, "batch_size")
         self.head_dim = _positive_int(head_dim, "head_dim")
-        _positive_int(num_kv_heads, "num_kv_heads")
         self.windows = tuple(min(w, self.max_len) for w in window_tuple(windows))
         self.store = RingStore(self.windows, num_kv_heads, max_len=self.max_len)
         self.capacities = self.store.capacities
@@ -94,8 +93,11 @@ class LayerKVCache:
         self.device = torch.device("cpu") if device is None else torch.device(device)
         self.store.allocate(self.batch_size, head_dim, head_dim, dtype, self.device, ring_slots=self.max_len)
         self.length = 0
-        #: How the last call ran: ``prefill``, ``compiled block``, ``compiled attention`` or ``masked``.
-        self.route: str | None = None
+
+    @property
+    def route(self) -> str | None:
+        """How the last call ran: ``prefill``, ``compiled block``, ``compiled attention`` or ``masked``."""
+        return self.store.route
 
     # ------------------------------------------------------------------ memory
     def memory_bytes(self) -> int:
@@ -110,7 +112,6 @@ class LayerKVCache:
     def reset(self) -> None:
         """Forget every cached position (the buffers are kept and overwritten later)."""
         self.length = 0
-        self.route = None
         self.store.clear()
 
     # ------------------------------------------------------------------ contents
@@ -158,22 +159,13 @@ class LayerKVCache:
             raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} do not match q {tuple(q.shape)}")
         self.check_step(b, t)
         scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-        start = self.length
-        if start == 0:
-            # Prefill: the ordinary execution path, windows clamped to the chunk as the model does.
-            self.route = "prefill"
-            y = attend(q, k, v, tuple(min(w, t) for w in self.windows), backend=backend, scale=scale)
-            self.store.write(k, v, start)
-        elif t == 1 and self.store.compiled_ready(q):
-            self.route = "compiled attention"
-            self.store.write(k, v, start)
-            y = self.store.decode(q[:, :, 0], start + 1, scale)[:, :, None]
-        else:
-            self.route = "masked"
-            compute = torch.promote_types(q.dtype, torch.float32)  # scores in float32 at least
-            y = self.store.attend(q.to(compute), k, v, start, scale=scale).to(q.dtype)
-            self.store.write(k, v, start)
-        self.length = start + t
+        y = self.store.attend_and_store(
+            q, k, v, self.length, scale=scale,
+            # The ordinary execution path, windows clamped to the prompt as the model does.
+            prefill=lambda: attend(q, k, v, tuple(min(w, t) for w in self.windows), backend=backend, scale=scale),
+            compute=torch.promote_types(q.dtype, torch.float32),  # masked scores in float32 at least
+        )
+        self.length += t
         return y
 
     def decode_block(
@@ -192,7 +184,6 @@ class LayerKVCache:
             raise ValueError("a compiled decode step continues a prefix: prefill the cache first")
         out = self.store.decode_block(x.detach(), block, cos, sin, self.length, 1.0 / math.sqrt(self.head_dim))
         self.length += 1
-        self.route = "compiled block"
         return out
 
 
@@ -229,7 +220,7 @@ class WindowKVCache:
     @property
     def route(self) -> str:
         """How the last call ran through the layers (:attr:`LayerKVCache.route`, joined with ``+`` where they differ)."""
-        return "+".join(sorted({layer.route or "unused" for layer in self.layers}))
+        return joined_route(layer.route for layer in self.layers)
 
     @property
     def windows(self) -> torch.Tensor:

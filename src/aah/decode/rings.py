@@ -21,7 +21,7 @@ and the compiled kernels are tested against it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from ..windows import check_sink_tokens, visible, window_tuple
 from . import ring_decode
 
-__all__ = ["GROWTH", "RingGroup", "RingStore", "kv_capacities"]
+__all__ = ["GROWTH", "RingGroup", "RingStore", "joined_route", "kv_capacities"]
 
 #: A ring that must grow grows by at least ``1 / GROWTH`` of its size (up to its capacity), so
 #: that decoding while long rings fill copies the buffers rarely.
@@ -51,6 +51,12 @@ def kv_capacities(windows: Sequence[int], num_kv_heads: int, max_len: int | None
     group = len(wins) // num_kv_heads
     caps = [max(wins[g * group:(g + 1) * group]) for g in range(num_kv_heads)]
     return tuple(caps if max_len is None else (min(c, max_len) for c in caps))
+
+
+def joined_route(routes: Iterable[str | None]) -> str:
+    """The routes of a model's layers in one string: each route once, joined with ``+``
+    (``unused``: a layer no call has reached)."""
+    return "+".join(sorted({route or "unused" for route in routes}))
 
 
 @dataclass(eq=False)
@@ -94,6 +100,8 @@ class RingStore:
             self.groups.append(RingGroup(capacity, kv_heads, query_heads, tuple(self.windows[h] for h in query_heads)))
         self.flat_keys: torch.Tensor | None = None  # (B, slots, D)
         self.flat_values: torch.Tensor | None = None
+        #: How the last call ran: ``prefill``, ``compiled block``, ``compiled attention`` or ``masked``.
+        self.route: str | None = None
         self._ring_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     # -- storage --------------------------------------------------------------------------
@@ -109,7 +117,8 @@ class RingStore:
         self._lay_out(batch, key_dim, value_dim, [min(g.capacity, ring_slots) for g in self.groups])
 
     def clear(self) -> None:
-        """Mark every ring slot empty (the buffers stay and are overwritten later)."""
+        """Mark every ring slot empty (the buffers stay and are overwritten later); forget the route."""
+        self.route = None
         for g in self.groups:
             g.ring_positions.fill_(-1)
 
@@ -314,6 +323,44 @@ class RingStore:
             )
         return out
 
+    def attend_and_store(
+        self,
+        query: torch.Tensor,
+        new_keys: torch.Tensor,
+        new_values: torch.Tensor,
+        start: int,
+        *,
+        prefill: Callable[[], torch.Tensor],
+        scale: float,
+        first_real: torch.Tensor | None = None,
+        key_mask: torch.Tensor | None = None,
+        compute: torch.dtype | None = None,
+        record: WriteRecorder | None = None,
+    ) -> torch.Tensor:
+        """Attend ``query`` (B, H, T, D) at positions ``start..`` over the stored slots plus the new
+        keys/values, then store those: the route of every call that is not a whole compiled block.
+
+        ``prefill`` (the first call, ``start == 0``) runs the model's own attention; one token
+        without ``key_mask`` that :meth:`compiled_ready` allows is written, then read by one
+        :meth:`decode` call; anything else is :meth:`attend` (with the query in ``compute``, when
+        given). :attr:`route` names the route taken. Other arguments as :meth:`attend` and :meth:`write`.
+        """
+        if start == 0:
+            self.route = "prefill"
+            out = prefill()
+        elif query.shape[2] == 1 and key_mask is None and self.compiled_ready(query, first_real):
+            self.route = "compiled attention"
+            self.write(new_keys, new_values, start, first_real, record)
+            return self.decode(query[:, :, 0], start + 1, scale)[:, :, None]
+        else:
+            self.route = "masked"
+            compute = query.dtype if compute is None else compute
+            out = self.attend(
+                query.to(compute), new_keys, new_values, start, first_real=first_real, key_mask=key_mask, scale=scale
+            ).to(query.dtype)
+        self.write(new_keys, new_values, start, first_real, record)
+        return out
+
     def compiled_ready(self, x: torch.Tensor, first_real: torch.Tensor | None = None) -> bool:
         """Whether the compiled steps can read this store for ``x``: on CPU in the store's dtype, keys
         and values of one head dim, no gradient asked for, every row starting at position 0 (its
@@ -348,4 +395,5 @@ class RingStore:
         out = ring_decode.decode_block(x.contiguous(), block, cos, sin, self.rings(), position + 1, scale, sinks=self.sinks)
         for g in self.groups:
             g.ring_positions[position % g.capacity] = position
+        self.route = "compiled block"
         return out

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..decode.rings import RingGroup, RingStore
+from ..decode.rings import RingGroup, RingStore, joined_route
 from ._transformers import require
 from .patching import SPEC_ATTR, LayerWindows, attend_without_cache, layer_specs, visible_keys
 from .windowed_kv import Pending, WindowedKV
@@ -104,10 +104,6 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         self.cumulative_length = 0
         self._crop_floor = 0  # no crop may reach below this position (an earlier crop cut a write there)
         self.sink_start: torch.Tensor | None = None  # (B,) first real position of each row
-        #: How the last call attended: "prefill" (no cache yet), "masked" (a chunk, padding, or no
-        #: compiled step), "compiled attention" (one token, the attention compiled) or "compiled
-        #: block" (one token, the whole decoder layer compiled, :mod:`aah.hf.block_step`).
-        self.route: str | None = None
 
     # -- transformers' cache-layer API ------------------------------------------------------
 
@@ -154,7 +150,6 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         self.sink_start = None
         self.cumulative_length = 0
         self._crop_floor = 0
-        self.route = None
         self.is_initialized = False
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -176,6 +171,13 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
                     if getattr(record, name) is not None:
                         setattr(record, name, select(getattr(record, name)))
         self.sink_start = select(self.sink_start)
+
+    @property
+    def route(self) -> str | None:
+        """How the last call attended: ``prefill`` (no cache yet), ``masked`` (a chunk, padding, or
+        no compiled step), ``compiled attention`` (one token, the attention compiled) or ``compiled
+        block`` (one token, the whole decoder layer compiled, :mod:`aah.hf.block_step`)."""
+        return self.store.route
 
     @property
     def is_croppable(self) -> bool:  # noqa: D102 - transformers' flag
@@ -262,23 +264,13 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
             )
         if attention_mask is not None and self.sink_tokens:
             self._find_sinks(pending.start, attention_mask)
-        start, new = pending.start, pending.keys.shape[2]
-        if start == 0:
-            self.route = "prefill"
-            out = attend_without_cache(query, pending.keys, pending.values, attention_mask, scaling, spec)
-        elif new == 1 and attention_mask is None and self.store.compiled_ready(query, self.sink_start):
-            self.route = "compiled attention"
-            self._store(pending.keys, pending.values, start)
-            scale = query.shape[-1] ** -0.5 if scaling is None else scaling
-            return self.store.decode(query[:, :, 0], start + 1, scale)[:, :, None]
-        else:
-            self.route = "masked"
-            out = self.store.attend(
-                query, pending.keys, pending.values, start, first_real=self.sink_start, key_mask=attention_mask,
-                scale=scaling,
-            )
-        self._store(pending.keys, pending.values, start)
-        return out
+        return self.store.attend_and_store(
+            query, pending.keys, pending.values, pending.start,
+            prefill=lambda: attend_without_cache(query, pending.keys, pending.values, attention_mask, scaling, spec),
+            scale=query.shape[-1] ** -0.5 if scaling is None else scaling,
+            first_real=self.sink_start, key_mask=attention_mask,
+            record=self._record if self.crop_limit or self.record_past else None,
+        )
 
     def _find_sinks(self, start: int, attention_mask: torch.Tensor) -> None:
         """Rows with no real token stored yet (all of them in the first call; a row whose earlier
@@ -319,7 +311,6 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         cos, sin = position_embeddings
         out = self.store.decode_block(hidden_states.reshape(batch, -1), block, cos[0], sin[0], position, attention.scaling)
         self.cumulative_length += 1
-        self.route = "compiled block"
         return out.view(batch, 1, -1)
 
     def _check_room(self, end: int) -> None:
@@ -334,11 +325,6 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
                     f"{end} would push keys out of windows of up to {max(g.query_windows)}; "
                     "build it with a larger max_cache_len (aah.hf.new_cache)"
                 )
-
-    def _store(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
-        """Write positions ``start..`` into each row's sink slots and into the rings."""
-        record = self._record if self.crop_limit or self.record_past else None
-        self.store.write(keys, values, start, first_real=self.sink_start, record=record)
 
     def _record(self, g: RingGroup, start: int, end: int, first: int, slots, k, v) -> None:
         """Keep what the write of positions ``start..end-1`` overwrites, for its last
@@ -398,5 +384,5 @@ def cache_memory_bytes(cache) -> int:
 def cache_route(cache) -> str:
     """How the last call through ``cache`` ran (:attr:`WindowCacheLayer.route` of its layers,
     joined with ``+`` where they differ), or ``transformers`` for another cache."""
-    routes = sorted({layer.route or "unused" for layer in cache.layers if isinstance(layer, WindowCacheLayer)})
-    return "+".join(routes) if routes else "transformers"
+    layers = [layer for layer in cache.layers if isinstance(layer, WindowCacheLayer)]
+    return joined_route(layer.route for layer in layers) if layers else "transformers"
