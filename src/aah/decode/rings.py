@@ -70,6 +70,7 @@ class RingGroup:
     keys: torch.Tensor | None = None  # (B, n, S + allocated, D), a view of the store's flat buffer
     values: torch.Tensor | None = None
     ring_positions: torch.Tensor | None = None  # (allocated,) position in each ring slot, -1: empty
+    windows: torch.Tensor | None = None  # (len(query_heads),) query_windows on the store's device
 
     @property
     def allocated(self) -> int:
@@ -114,6 +115,7 @@ class RingStore:
         for g in self.groups:
             g.keys = g.values = None
             g.ring_positions = torch.full((0,), -1, dtype=torch.long, device=self.device)
+            g.windows = torch.tensor(g.query_windows, device=self.device)
         self._lay_out(batch, key_dim, value_dim, [min(g.capacity, ring_slots) for g in self.groups])
 
     def clear(self) -> None:
@@ -302,7 +304,7 @@ class RingStore:
             # Positions of every key column, per row: sink slots, ring slots, new tokens.
             kpos = torch.cat([sink_pos, g.ring_positions.expand(batch, -1), qpos.expand(batch, -1)], dim=1)
             dist = qpos[None, :, None] - kpos[:, None, :]  # (B, T_new, K)
-            windows = torch.tensor(g.query_windows, device=device)[None, :, None, None]
+            windows = g.windows[None, :, None, None]
             in_window = dist[:, None] < windows  # (B, heads, T_new, K)
             rule = visible(qpos[:, None], kpos[:, None, None, :], windows, sinks, first[:, None, None, None])
             stored_sink = (sink_pos < start)[:, None, None, :]
