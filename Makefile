@@ -25,10 +25,11 @@ test: $(STAMP)
 	$(MAKE) vllm-env || echo "make test: .venv-vllm could not be built; the vLLM end-to-end tests will be skipped" >&2
 	$(PY) -m pytest
 
-# Regenerate the report shown in docs/results/ (the quick suite, as make demo runs it).
+# Regenerate the report shown in docs/results/ (the quick suite, as make demo runs it); the other
+# reports kept there (policies/, hf/) stay.
 results: demo
-	rm -rf docs/results
-	cp -r runs/demo/report docs/results
+	mkdir -p docs/results
+	cp -r runs/demo/report/. docs/results/
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests

@@ -15,8 +15,8 @@ import torch
 from torch.nn import functional as F
 
 from aah import GPT, ControllerConfig, GPTConfig
-from aah.decode import ring_decode
 from aah.attention import RotaryEmbedding
+from aah.decode import ring_decode
 from aah.decode.cache import LayerKVCache, WindowKVCache, kv_capacities
 from aah.decode.generate import cache_memory_report, generate
 

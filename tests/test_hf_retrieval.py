@@ -237,10 +237,14 @@ def test_retrieval_answers_journal_resumes_a_stopped_run(model_dir, tmp_path, mo
     assert main([*base, "--windows", str(model_dir / "w.safetensors"), "--json", str(second)]) == 0
     a, b = json.loads(first.read_text()), json.loads(second.read_text())
     assert a["results"] == b["results"] and a["samples"] == b["samples"]
-    # other windows are another run: their answers are decoded, not taken from the journal
+    # other windows are another run for the windowed settings: their answers are decoded again;
+    # full attention's answers do not depend on the windows file and are taken from the journal
     other = tmp_path / "other.safetensors"
     windows, meta = load_windows(model_dir / "w.safetensors")
     save_windows(other, windows.clamp(max=40), meta)
+    full_only = [a if a != "full,aah" else "full" for a in base]
+    assert main([*full_only, "--windows", str(other), "--json", str(second)]) == 0
+    assert json.loads(second.read_text())["results"]["full"] == a["results"]["full"]
     with pytest.raises(AssertionError, match="decoded again"):
         main([*base, "--windows", str(other)])
     capsys.readouterr()

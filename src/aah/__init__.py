@@ -8,8 +8,8 @@ skip the work outside each window.
 from . import regimes, windows
 from .attention import AAHAttention
 from .backends import attend, backend_names, register_backend
-from .decode.cache import WindowKVCache
 from .controller import ControllerConfig, Decision, HeadController
+from .decode.cache import WindowKVCache
 from .decode.generate import generate
 from .model import GPT, GPTConfig
 

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from .backends import attend, resolve_backend
-from .decode.cache import LayerKVCache
 from .controller import ControllerConfig, HeadController
+from .decode.cache import LayerKVCache
 from .decode.ring_decode import linear
 
 __all__ = ["AAHAttention", "RotaryEmbedding"]

@@ -16,10 +16,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from .attention import AAHAttention
-from .decode.block_step import block_step
-from .decode.cache import LayerKVCache, WindowKVCache
 from .controller import ControllerConfig, HeadController
 from .controller.budgeted import settle_model_budget
+from .decode.block_step import block_step
+from .decode.cache import LayerKVCache, WindowKVCache
 from .decode.ring_decode import linear
 from .windows import acr, causal_coverage
 

@@ -39,9 +39,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ..decode import ring_decode
 from ..controller import ControllerConfig
 from ..controller.selection import share_within_kv_groups
+from ..decode import ring_decode
 from ..errors import CLIError
 from ..model import GPT, GPTConfig
 from ..windows import acr, candidate_windows, causal_coverage

@@ -49,9 +49,9 @@ from collections.abc import Sequence
 
 import torch
 
-from . import ring_decode
 from ..backends import attend
 from ..windows import window_tuple
+from . import ring_decode
 from .rings import RingStore, joined_route, kv_capacities
 
 __all__ = ["LayerKVCache", "WindowKVCache", "kv_capacities"]

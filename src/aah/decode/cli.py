@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from . import ring_decode
 from ..errors import CLIError
+from . import ring_decode
 
 __all__ = ["add_commands", "run_generate"]
 

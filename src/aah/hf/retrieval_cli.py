@@ -105,8 +105,9 @@ def _retrieval(args: argparse.Namespace) -> int:
     aah = Setting("aah", windows, int(meta["sink_tokens"]))
     journal = None
     if args.answers:
-        tag = hashlib.sha256(Path(args.windows).read_bytes() + str(Path(args.model_dir).resolve()).encode()).hexdigest()
-        journal = AnswerJournal(args.answers, tag[:16])
+        model_tag = hashlib.sha256(str(Path(args.model_dir).resolve()).encode()).hexdigest()[:16]
+        windows_tag = hashlib.sha256(Path(args.windows).read_bytes()).hexdigest()[:16]
+        journal = AnswerJournal(args.answers, model_tag, windows_tag)
     outputs: dict[str, list[str]] = {name: [] for name in wanted}
     facts: dict[str, dict[str, dict]] = {name: {} for name in wanted}
     for length in lengths:

@@ -11,8 +11,8 @@ length, by depth and per (length, depth) cell, which the heatmap draws.
 
 A long run can keep a journal (:class:`AnswerJournal`, ``aah hf retrieval --answers FILE``):
 every answer is appended to it as soon as it is decoded, and a run given the same journal
-reuses the answers already there (same setting, prompt tokens and run tag), so a run that is
-stopped, crashes or is split by settings loses nothing.
+reuses the answers already there (same setting, prompt tokens, model and, but for ``full``,
+windows file), so a run that is stopped, crashes or is split by settings loses nothing.
 """
 
 from __future__ import annotations
@@ -70,13 +70,14 @@ def generate_answers(model, setting: Setting, sample: Sample, tokenizer) -> str:
 class AnswerJournal:
     """Answers already decoded, kept in a JSON-lines file: one ``{"key", "text"}`` per line.
 
-    An answer's key is the run ``tag`` (what else decides it: the model and the windows
-    file), the setting's name and a digest of the sample's prompt tokens and answer length.
-    A line cut short by a crash is ignored.
+    An answer's key is what decides it besides the prompt: the ``model_tag`` alone for the
+    ``full`` setting (its answers are reused by runs with other windows files), the
+    ``model_tag`` and the ``windows_tag`` for the others; then the setting's name and a digest
+    of the sample's prompt tokens and answer length. A line cut short by a crash is ignored.
     """
 
-    def __init__(self, path: str | Path, tag: str) -> None:
-        self.path, self.tag = Path(path), tag
+    def __init__(self, path: str | Path, model_tag: str, windows_tag: str) -> None:
+        self.path, self.model_tag, self.windows_tag = Path(path), model_tag, windows_tag
         self.done: dict[str, str] = {}
         if self.path.exists():
             for line in self.path.read_text().splitlines():
@@ -89,7 +90,8 @@ class AnswerJournal:
 
     def key(self, setting: str, sample: Sample) -> str:
         prompt = hashlib.sha256(json.dumps([sample.input_ids, sample.max_new_tokens]).encode()).hexdigest()[:20]
-        return f"{self.tag}|{setting}|{prompt}"
+        tag = self.model_tag if setting == "full" else f"{self.model_tag}{self.windows_tag}"
+        return f"{tag}|{setting}|{prompt}"
 
     def get(self, setting: str, sample: Sample) -> str | None:
         return self.done.get(self.key(setting, sample))
