@@ -108,14 +108,9 @@ def fresh_auto(tmp_path, monkeypatch):
     auto_mod._forget()
 
 
-def test_auto_resolves_to_itself_on_cpu_and_is_exact(ref_attention, fresh_auto):
-    assert resolve_backend("auto", "cpu", needs_backward=True) == "auto"
-    q, k, v = _qkv(2, 4, 2, 70, 8)
-    out = aah.attend(q, k, v, [5, 5, 33, 70], backend="auto")
-    _check(out, q, k, v, [5, 5, 33, 70], ref_attention, atol=1e-10, rtol=1e-10)
-
-
-def test_auto_calibrates_once_per_shape_and_caches_on_disk(fresh_auto, monkeypatch):
+@pytest.fixture
+def calibrations(monkeypatch):
+    """The candidate lists ``auto`` times, one entry per timing it runs."""
     calls = []
     real = auto_mod._calibrate
 
@@ -124,6 +119,18 @@ def test_auto_calibrates_once_per_shape_and_caches_on_disk(fresh_auto, monkeypat
         return real(names, *args)
 
     monkeypatch.setattr(auto_mod, "_calibrate", counting)
+    return calls
+
+
+def test_auto_resolves_to_itself_on_cpu_and_is_exact(ref_attention, fresh_auto):
+    assert resolve_backend("auto", "cpu", needs_backward=True) == "auto"
+    q, k, v = _qkv(2, 4, 2, 70, 8)
+    out = aah.attend(q, k, v, [5, 5, 33, 70], backend="auto")
+    _check(out, q, k, v, [5, 5, 33, 70], ref_attention, atol=1e-10, rtol=1e-10)
+
+
+def test_auto_calibrates_once_per_shape_and_caches_on_disk(fresh_auto, calibrations):
+    calls = calibrations
     q, k, v = _qkv(1, 4, 4, 64, 8, dtype=torch.float32)
     aah.attend(q, k, v, [8, 8, 16, 64], backend="auto")
     aah.attend(q, k, v, [8, 8, 16, 64], backend="auto")  # same shape: no new timing
@@ -135,7 +142,7 @@ def test_auto_calibrates_once_per_shape_and_caches_on_disk(fresh_auto, monkeypat
     assert len(calls) == 2
     choices = auto_mod.auto_choices()
     assert set(choices.values()) <= {"strips", "banded"} and len(choices) == 2
-    key = "cpu|float32|B1|H4|KV4|T64|D8|W8,16,64|fwd+bwd"
+    key = "cpu|float32|B1|H4|KV4|T64|D8|W8,16,full|fwd+bwd"
     assert key in choices
     disk = json.loads((fresh_auto / "backend_choices.json").read_text())
     entry = next(e for name, e in disk.items() if name.endswith(key))
@@ -147,6 +154,47 @@ def test_auto_calibrates_once_per_shape_and_caches_on_disk(fresh_auto, monkeypat
     aah.attend(q, k, v, [8, 8, 16, 64], backend="auto")
     assert len(calls) == 2
     assert auto_mod.auto_label(["auto"]) == f"auto({choices[key]})"
+
+
+def test_auto_length_buckets_are_eight_per_octave():
+    assert [auto_mod.length_bucket(n) for n in (5, 16, 17, 64, 65, 4080, 4096, 4097, 8179, 8182)] == [
+        5, 16, 18, 64, 72, 4096, 4096, 4608, 8192, 8192]
+
+
+def test_auto_prompts_of_nearby_lengths_share_one_timing(fresh_auto, calibrations):
+    calls = calibrations
+    with torch.no_grad():
+        for t, b in ((61, 1), (64, 1), (63, 1)):  # one bucket; the last window covers each length
+            q, k, v = _qkv(b, 4, 2, t, 8, dtype=torch.float32)
+            out = aah.attend(q, k, v, [8, 8, 16, 100], backend="auto")
+            torch.testing.assert_close(out, aah.attend(q, k, v, [8, 8, 16, 100], backend="dense"))
+        assert len(calls) == 1
+        q, k, v = _qkv(2, 4, 2, 64, 8, dtype=torch.float32)  # batch 2: its own bucket
+        aah.attend(q, k, v, [8, 8, 16, 100], backend="auto")
+        assert len(calls) == 2
+        q, k, v = _qkv(3, 4, 2, 64, 8, dtype=torch.float32)  # batch 3 rounds up to 4: new
+        aah.attend(q, k, v, [8, 8, 16, 100], backend="auto")
+        q, k, v = _qkv(4, 4, 2, 64, 8, dtype=torch.float32)  # batch 4 shares it
+        aah.attend(q, k, v, [8, 8, 16, 100], backend="auto")
+        assert len(calls) == 3
+        q, k, v = _qkv(1, 4, 2, 80, 8, dtype=torch.float32)  # 80 -> 80: another bucket
+        aah.attend(q, k, v, [8, 8, 16, 100], backend="auto")
+        assert len(calls) == 4
+
+
+def test_auto_does_not_reuse_a_choice_that_cannot_run_this_length(fresh_auto, monkeypatch):
+    """A bucket holds lengths at which other backends are candidates: a window of 62 covers a
+    sequence of 61 (``sdpa`` may run it) but not one of 63, so the two must not share ``sdpa``."""
+    q61, k61, _ = _qkv(1, 2, 2, 61, 8, dtype=torch.float32)
+    q, k, v = _qkv(1, 2, 2, 63, 8, dtype=torch.float32)
+    assert auto_mod.shape_key(q61, k61, (62, 62), False) != auto_mod.shape_key(q, k, (62, 62), False)
+    # Even a choice cached under this very key is taken only if it can run the request.
+    monkeypatch.setattr(auto_mod, "_choices", {auto_mod.shape_key(q, k, (62, 62), False): "sdpa"})
+    monkeypatch.setenv("AAH_AUTO_CALIBRATE", "0")
+    with torch.no_grad():
+        out = aah.attend(q, k, v, [62, 62], backend="auto")
+    assert auto_mod.auto_choices()[auto_mod.shape_key(q, k, (62, 62), False)] == "strips"
+    torch.testing.assert_close(out, aah.attend(q, k, v, [62, 62], backend="dense"))
 
 
 def test_auto_uses_the_cached_choice_from_disk(fresh_auto, monkeypatch):

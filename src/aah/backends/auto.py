@@ -13,8 +13,9 @@ once.
   ``banded`` on CUDA; plus ``sdpa`` when every window covers the sequence.
   Only backends that can run the request (device, dtype, backward, sinks)
   compete.
-* Shape key: device, dtype, batch, heads, KV heads, length, head dim, the set
-  of distinct windows (clamped to the length), the sink tokens (only when
+* Shape key: device, dtype, batch (rounded up to a power of two), heads, KV
+  heads, length (rounded up to one of eight steps per octave), head dim, the
+  set of distinct windows (``full`` for any that covers the length), the sink tokens (only when
   ``S > 0``: keys without sinks are those of before), and whether a backward
   pass is needed; the disk entry adds the host name, thread count, torch
   version and :data:`PLAN_REVISION` (a new revision times every shape again).
@@ -40,7 +41,7 @@ import torch
 from .base import AttentionBackend, BackendUnavailable
 from .sinks import sink_span
 
-__all__ = ["AutoBackend", "auto_choices", "auto_label", "cache_path", "candidates", "shape_key"]
+__all__ = ["AutoBackend", "auto_choices", "auto_label", "cache_path", "candidates", "length_bucket", "shape_key"]
 
 _CANDIDATES = {"cpu": ("strips", "banded"), "cuda": ("flash", "flex", "banded")}
 _LOW_PRECISION_ONLY = {"flash"}
@@ -57,16 +58,41 @@ def cache_path() -> Path:
     return Path(root) / "backend_choices.json"
 
 
+def length_bucket(n: int) -> int:
+    """``n`` rounded up to the next of eight steps per octave (4080 -> 4096, 8179 -> 8192).
+
+    Lengths this close rank the backends alike, so prompts of 8,179 and 8,182 tokens share one
+    timing instead of paying a calibration each (a prompt set of a hundred lengths would).
+    """
+    if n <= 16:
+        return n
+    step = 1 << (n.bit_length() - 4)
+    return -(-n // step) * step
+
+
+def _length_and_windows(windows: tuple[int, ...], seq_len: int) -> tuple[str, str]:
+    """The key parts of a length and its windows: ``T<bucket>`` and the distinct windows, each
+    one that covers the whole sequence written ``full`` (what it means at every length)."""
+    distinct = sorted({w for w in windows if w < seq_len})
+    names = [str(w) for w in distinct] + (["full"] if any(w >= seq_len for w in windows) else [])
+    return f"T{length_bucket(seq_len)}", "W" + ",".join(names)
+
+
 def shape_key(
     q: torch.Tensor, k: torch.Tensor, windows: tuple[int, ...], needs_backward: bool, sink_tokens: int = 0
 ) -> str:
-    """The key of a request: device, dtype, B, H, H_kv, T, D, window set, sinks (if any), direction."""
+    """The key of a request: device, dtype, B, H, H_kv, T, D, window set, sinks (if any), direction.
+
+    The batch is rounded up to a power of two and the length to :func:`length_bucket`, so that
+    requests that differ by a few rows or tokens share a choice.
+    """
     b, h, t, d = q.shape
-    wins = ",".join(str(w) for w in sorted({min(w, t) for w in windows}))
+    length, wins = _length_and_windows(windows, t)
+    batch = 1 << max(b - 1, 0).bit_length()
     direction = "fwd+bwd" if needs_backward else "fwd"
     dtype = str(q.dtype).replace("torch.", "")
     sinks = f"|S{sink_tokens}" if sink_tokens else ""
-    return f"{q.device.type}|{dtype}|B{b}|H{h}|KV{k.shape[1]}|T{t}|D{d}|W{wins}{sinks}|{direction}"
+    return f"{q.device.type}|{dtype}|B{batch}|H{h}|KV{k.shape[1]}|{length}|D{d}|{wins}{sinks}|{direction}"
 
 
 #: Revision of the backends' execution plans: raised when a backend's speed can change
@@ -189,10 +215,10 @@ def choose(
 ) -> str:
     """The backend ``auto`` runs for this request: cached, or calibrated now."""
     key = shape_key(q, k, windows, needs_backward, sink_tokens)
-    name = _choices.get(key)
-    if name is not None:
-        return name
     names = candidates(q.device, q.dtype, windows, q.shape[2], needs_backward, sink_tokens)
+    name = _choices.get(key)
+    if name is not None and name in names:  # a key spans lengths; the choice must run this one
+        return name
     if not names:
         name = "dense"
     elif len(names) == 1 or os.environ.get("AAH_AUTO_CALIBRATE", "1") == "0":
@@ -261,13 +287,13 @@ class AutoBackend(AttentionBackend):
         latest such choice of this process), else of the first CPU candidate."""
         from . import get_backend
 
-        wins = "W" + ",".join(str(w) for w in sorted({min(w, seq_len) for w in windows}))
+        length, wins = _length_and_windows(tuple(windows), seq_len)
         sinks = f"S{sink_tokens}"
         name = None
         for key, chosen in _choices.items():
             parts = key.split("|")
             has_sinks = sinks in parts if sink_tokens else not any(p.startswith("S") for p in parts)
-            if f"T{seq_len}" in parts and wins in parts and has_sinks:
+            if length in parts and wins in parts and has_sinks:
                 name = chosen
         backend = get_backend(name or _CANDIDATES["cpu"][0])
         if not sink_tokens:
