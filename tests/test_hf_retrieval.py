@@ -247,6 +247,30 @@ def test_retrieval_answers_journal_resumes_a_stopped_run(model_dir, tmp_path, mo
     assert json.loads(second.read_text())["results"]["full"] == a["results"]["full"]
     with pytest.raises(AssertionError, match="decoded again"):
         main([*base, "--windows", str(other)])
+    # --sink-tokens as in the file is the same run; other sinks are another
+    assert main([*base, "--windows", str(model_dir / "w.safetensors"), "--sink-tokens", "4"]) == 0
+    with pytest.raises(AssertionError, match="decoded again"):
+        main([*base, "--windows", str(model_dir / "w.safetensors"), "--sink-tokens", "64"])
+    capsys.readouterr()
+
+
+def test_retrieval_sink_tokens_override_the_windows_file(model_dir, tmp_path, capsys):
+    """More sinks keep the prompt's first tokens in every head's reach: the settings run them, the
+    report says so, and their causal coverage is that of the windows with those sinks."""
+    out = tmp_path / "r.json"
+    argv = ["hf", "retrieval", str(model_dir / "model"), "--windows", str(model_dir / "w.safetensors"),
+            "--lengths", "400", "--depths", "0.5", "--trials", "1", "--settings", "aah", "--json", str(out)]
+    assert main(argv) == 0
+    four = json.loads(out.read_text())
+    assert main([*argv, "--sink-tokens", "64"]) == 0
+    many = json.loads(out.read_text())
+    assert four["config"]["sink_tokens"] == 4 and many["config"]["sink_tokens"] == 64
+    windows = load_windows(model_dir / "w.safetensors")[0]
+    for report, sinks in ((four, 4), (many, 64)):
+        pairs = sum(min(w, 400) * 400 - min(w, 400) * (min(w, 400) - 1) // 2 for w in windows.flatten().tolist())
+        pairs += sum(max(0, min(sinks, i - w + 1)) for w in windows.flatten().tolist() for i in range(400))
+        expected = pairs / (windows.numel() * 400 * 401 // 2)
+        assert report["settings"]["aah"]["400"]["causal_coverage"] == pytest.approx(expected)
     capsys.readouterr()
 
 
@@ -265,6 +289,7 @@ def test_retrieval_command_refuses_bad_input(model_dir, capsys):
     assert "--lengths must be" in _error([*base, "--lengths", "400,x"], capsys)
     assert "--settings must be" in _error([*base, "--lengths", "400", "--settings", "full,best"], capsys)
     assert "--trials must be >= 1" in _error([*base, "--lengths", "400", "--trials", "0"], capsys)
+    assert "--sink-tokens must be >= 0" in _error([*base, "--lengths", "400", "--sink-tokens", "-1"], capsys)
     assert "max_position_embeddings" in _error([*base, "--lengths", "4096"], capsys)
     assert "cannot hold" in _error([*base, "--lengths", "60"], capsys)
     assert "windows file not found" in _error([*base[:-1], "nope.safetensors", "--lengths", "400"], capsys)

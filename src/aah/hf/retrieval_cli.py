@@ -42,6 +42,9 @@ def add_command(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-' for stdout)")
     p.add_argument("--heatmap", metavar="FILE", help="depth x length accuracy heatmaps (PNG)")
+    p.add_argument("--sink-tokens", type=int, metavar="N",
+                   help="sink tokens of the aah and uniform settings instead of the windows file's: the first N "
+                        "prompt tokens stay visible to every head (for example a task instruction at the start)")
     p.add_argument("--answers", metavar="FILE",
                    help="keep every answer in FILE (JSON lines) as it is decoded and reuse those already there: "
                         "a stopped run resumes where it stopped")
@@ -75,6 +78,8 @@ def _retrieval(args: argparse.Namespace) -> int:
     depths = _numbers("--depths", args.depths, float, lambda d: 0.0 <= d <= 1.0, "depths in [0, 1]")
     if args.trials < 1:
         raise CLIError(f"--trials must be >= 1, got {args.trials}")
+    if args.sink_tokens is not None and args.sink_tokens < 0:
+        raise CLIError(f"--sink-tokens must be >= 0, got {args.sink_tokens}")
     lengths = _numbers("--lengths", args.lengths, int, lambda n: n >= 2, "lengths >= 2")
 
     from .evaluate import Setting, uniform_setting
@@ -102,11 +107,13 @@ def _retrieval(args: argparse.Namespace) -> int:
         if path and path != "-" and not Path(path).parent.is_dir():
             raise CLIError(f"cannot write {path}: no folder {Path(path).parent}")
     model = load_model()
-    aah = Setting("aah", windows, int(meta["sink_tokens"]))
+    sinks = int(meta["sink_tokens"]) if args.sink_tokens is None else args.sink_tokens
+    aah = Setting("aah", windows, sinks)
     journal = None
     if args.answers:
         model_tag = hashlib.sha256(str(Path(args.model_dir).resolve()).encode()).hexdigest()[:16]
-        windows_tag = hashlib.sha256(Path(args.windows).read_bytes()).hexdigest()[:16]
+        override = b"" if sinks == int(meta["sink_tokens"]) else f"|sinks{sinks}".encode()
+        windows_tag = hashlib.sha256(Path(args.windows).read_bytes() + override).hexdigest()[:16]
         journal = AnswerJournal(args.answers, model_tag, windows_tag)
     outputs: dict[str, list[str]] = {name: [] for name in wanted}
     facts: dict[str, dict[str, dict]] = {name: {} for name in wanted}
