@@ -107,12 +107,13 @@ def _retrieval(args: argparse.Namespace) -> int:
         if path and path != "-" and not Path(path).parent.is_dir():
             raise CLIError(f"cannot write {path}: no folder {Path(path).parent}")
     model = load_model()
-    sinks = int(meta["sink_tokens"]) if args.sink_tokens is None else args.sink_tokens
+    file_sinks = int(meta["sink_tokens"])
+    sinks = file_sinks if args.sink_tokens is None else args.sink_tokens
     aah = Setting("aah", windows, sinks)
     journal = None
     if args.answers:
         model_tag = hashlib.sha256(str(Path(args.model_dir).resolve()).encode()).hexdigest()[:16]
-        override = b"" if sinks == int(meta["sink_tokens"]) else f"|sinks{sinks}".encode()
+        override = b"" if sinks == file_sinks else f"|sinks{sinks}".encode()
         windows_tag = hashlib.sha256(Path(args.windows).read_bytes() + override).hexdigest()[:16]
         journal = AnswerJournal(args.answers, model_tag, windows_tag)
     outputs: dict[str, list[str]] = {name: [] for name in wanted}
