@@ -75,6 +75,22 @@ def test_episodes_are_well_formed_and_annotated_as_parsed(keys):
     assert seen_far > 0  # some queries look back more than T/2
 
 
+def test_crowded_blocks_place_every_pair():
+    # The most pairs the spec allows at T = 128 (half the block in episodes, every block
+    # carrying them): random placement alone fails on about one block in 10,000, here 2961.
+    seq_len, pairs = 128, 5
+    spec = RecallSpec(fraction=2 * pairs * 6 / seq_len, pairs=pairs, value_len=3, seed=0, keys="byte")
+    spec.validate(seq_len)
+    ds = RecallDataset(_base(3000, seq_len), spec, "train")
+    blocks = list(range(2900, 3000))
+    kind, distance, _ = ds.annotations(blocks)
+    for w, row_kind in zip(ds.window(blocks), kind):
+        defs, queries = _parse(bytes(w.astype(np.uint8)), "byte")
+        assert len(defs) == len(queries) == pairs
+        assert (row_kind == VALUE).sum() == pairs * 3
+    assert (distance[kind == VALUE] >= 6).all()
+
+
 def test_text_bytes_are_the_plain_block_in_order():
     base = _base()
     ds = RecallDataset(base, SPEC, "train")

@@ -148,6 +148,21 @@ class _Episodes:
     distances: np.ndarray  # (P,) query value start - definition value start
 
 
+def _nearest_free_pair(
+    occupied: np.ndarray, E: int, d: int, lo: int, hi: int, rng: np.random.Generator, pairs: int
+) -> tuple[int, int]:
+    """A free (start, distance) for one pair when random tries found none: the distance nearest
+    ``d`` at which both episodes fit, a start drawn among those that fit (crowded blocks only)."""
+    L = occupied.size
+    busy = np.concatenate([[0], np.cumsum(occupied)])
+    free = busy[E:] - busy[:-E] == 0  # free[a]: positions a .. a+E-1 are free
+    for dist in sorted(range(lo, hi + 1), key=lambda x: (abs(x - d), x)):
+        starts = np.flatnonzero(free[: L - E - dist + 1] & free[dist : L - E + 1])
+        if starts.size:
+            return int(starts[rng.integers(0, starts.size)]), dist
+    raise RuntimeError(f"could not place {pairs} recall pairs in a block of {L} tokens; use fewer data.recall_pairs")
+
+
 class RecallDataset(TokenDataset):
     """The blocks of ``base`` with recall episodes written in (see the module docstring)."""
 
@@ -188,7 +203,7 @@ class RecallDataset(TokenDataset):
                 if not (occupied[a : a + E].any() or occupied[a + d : a + d + E].any()):
                     break
             else:
-                raise RuntimeError(f"could not place {P} recall pairs in a block of {L} tokens")
+                a, d = _nearest_free_pair(occupied, E, d, lo, hi, rng, P)
             occupied[a : a + E] = True
             occupied[a + d : a + d + E] = True
             def_starts.append(a)
