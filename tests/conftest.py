@@ -30,6 +30,31 @@ def reference_attention(q, k, v, windows, scale=None, sink_tokens=0):
     return scores.softmax(-1) @ v
 
 
+def masked_reference_logits(model, ids, allowed):
+    """Logits of ``model`` (a transformers causal LM) on ``ids`` without a cache, every attention
+    computed by hand, softmax over the keys ``allowed(layer, num_heads, t)`` ((H, t, t) bool) allows."""
+    transformers = pytest.importorskip("transformers")
+
+    def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        groups = query.shape[1] // key.shape[1]
+        k, v = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+        scores = (query @ k.transpose(-1, -2)) * scaling
+        keep = allowed(module.layer_idx, query.shape[1], query.shape[2])
+        scores = scores.masked_fill(~keep, float("-inf"))
+        return (scores.softmax(-1) @ v).transpose(1, 2).contiguous(), None
+
+    transformers.AttentionInterface.register("masked_reference_for_test", attention)
+    transformers.masking_utils.AttentionMaskInterface.register(
+        "masked_reference_for_test", transformers.masking_utils.sdpa_mask)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("masked_reference_for_test")
+    try:
+        with torch.no_grad():
+            return model(ids).logits
+    finally:
+        model.set_attn_implementation(previous)
+
+
 def tiny_byte_bpe(texts, vocab_size: int, special_tokens=(), **fast_tokenizer_kwargs):
     """A byte-level BPE tokenizer (transformers' fast tokenizer, built with
     ``fast_tokenizer_kwargs``) trained offline on ``texts``; any text still tokenizes, byte by
@@ -56,6 +81,11 @@ def byte_bpe():
 @pytest.fixture
 def ref_attention():
     return reference_attention
+
+
+@pytest.fixture
+def masked_logits():
+    return masked_reference_logits
 
 
 @pytest.fixture

@@ -462,41 +462,34 @@ def test_calibration_sequences_use_their_own_templates(tiny_model_dir):
         for words in ("pass key", "magic number", "The grass is green", "VAR "):  # the evaluation's templates
             assert words not in context + question
     assert len({s.answer for s in seqs}) == 3
+    from aah.hf.retrieval_calibration import CALIBRATION_INSTRUCTION, calibration_sequences
+
+    instructed = calibration_sequences(tok, 400, 3, seed=1, instruction=True)
+    for plain, seq in zip(seqs, instructed):
+        text = tok.decode(list(seq.context))
+        assert text.startswith(CALIBRATION_INSTRUCTION) and CALIBRATION_INSTRUCTION not in tok.decode(list(plain.context))
+        assert (seq.question, seq.answer) == (plain.question, plain.answer)
+        assert 330 <= len(seq.context) + len(seq.question) + len(seq.answer) <= 400
+        for words in ("hidden", "memorize", "quiz", "Memorize"):  # the evaluation's introductions
+            assert words not in text
 
 
-def _window_reference_nll(model, ids, read, layer, windows, sinks):
+def _window_reference_nll(masked_logits, model, ids, read, layer, windows, sinks):
     """Answer NLL of a float64 full forward (no cache) in which only ``layer``'s rows from ``read`` on
-    see their head's window and the sinks: an attention function of its own, softmax by hand."""
-    def attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-        groups = query.shape[1] // key.shape[1]
-        k = key.repeat_interleave(groups, 1)
-        v = value.repeat_interleave(groups, 1)
-        scores = (query @ k.transpose(-1, -2)) * scaling
-        t = query.shape[2]
-        i = torch.arange(t)[:, None]
-        j = torch.arange(t)[None, :]
-        allowed = (j <= i).expand(query.shape[1], t, t).clone()
-        if module.layer_idx == layer:
+    see their head's window and the sinks."""
+    def allowed(layer_idx, heads, t):
+        i, j = torch.arange(t)[:, None], torch.arange(t)[None, :]
+        keep = (j <= i).expand(heads, t, t).clone()
+        if layer_idx == layer:
             for h, w in enumerate(windows):
-                narrow = (j <= i) & ((i - j < w) | (j < sinks))
-                allowed[h, read:] = narrow[read:]
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        return (scores.softmax(-1) @ v).transpose(1, 2).contiguous(), None
+                keep[h, read:] = ((j <= i) & ((i - j < w) | (j < sinks)))[read:]
+        return keep
 
-    transformers.AttentionInterface.register("window_reference_for_test", attention)
-    transformers.masking_utils.AttentionMaskInterface.register(
-        "window_reference_for_test", transformers.masking_utils.sdpa_mask)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("window_reference_for_test")
-    try:
-        with torch.no_grad():
-            logits = model(ids).logits[0, read:-1]
-    finally:
-        model.set_attn_implementation(previous)
+    logits = masked_logits(model, ids, allowed)[0, read:-1]
     return float(torch.nn.functional.cross_entropy(logits, ids[0, read + 1:], reduction="sum"))
 
 
-def test_answer_loss_equals_windowed_forwards_of_the_answer_positions(tiny_model_dir):
+def test_answer_loss_equals_windowed_forwards_of_the_answer_positions(tiny_model_dir, masked_logits):
     from aah.hf.retrieval_calibration import measure_answer_loss
 
     tok = _bpe_tokenizer(tiny_model_dir[0])
@@ -511,7 +504,7 @@ def test_answer_loss_equals_windowed_forwards_of_the_answer_positions(tiny_model
         ids = torch.tensor([seq.context + seq.question + seq.answer])
         read = ids.shape[1] - len(seq.answer) - 1
         answer_tokens += len(seq.answer)
-        base = _window_reference_nll(model, ids, read, None, [], 2)
+        base = _window_reference_nll(masked_logits, model, ids, read, None, [], 2)
         for layer in range(2):
             for item in items:
                 for c, w in enumerate(cands):
@@ -520,7 +513,7 @@ def test_answer_loss_equals_windowed_forwards_of_the_answer_positions(tiny_model
                     windows = [10**9] * 4
                     for h in item:
                         windows[h] = w
-                    rise = _window_reference_nll(model, ids, read, layer, windows, 2) - base
+                    rise = _window_reference_nll(masked_logits, model, ids, read, layer, windows, 2) - base
                     want[layer, item, c] += max(rise, 0.0) / len(item)
     torch.testing.assert_close(got.double(), want / answer_tokens, rtol=1e-4, atol=1e-7)
     assert float(got.abs().sum()) > 0 and float(got[..., -1].abs().max()) == 0.0  # T = 300 loses nothing
@@ -564,3 +557,19 @@ def test_calibrate_command_with_kl_retrieval(tiny_model_dir, tmp_path, capsys):
     capsys.readouterr()
     assert "--retrieval-sequences must be >= 1" in _error([*base, "--retrieval-sequences", "0", "--out", "x"], capsys)
     assert "--retrieval-weight must be >= 0" in _error([*base, "--retrieval-weight", "-1", "--out", "x"], capsys)
+    assert meta["retrieval_reserve"] == 0.0 and meta["repair_rounds"] is None
+    repaired = tmp_path / "repaired.safetensors"
+    longer = [a if a != "320" else "480" for a in base]  # room for the repair's opening instruction
+    assert main([*longer, "--retrieval-sequences", "1", "--retrieval-reserve", "0.1", "--repair-rounds", "1",
+                 "--out", str(repaired)]) == 0
+    windows, meta = load_windows(repaired)
+    assert meta["retrieval_reserve"] == 0.1 and meta["repair_rounds"] == 1
+    assert causal_coverage(windows, 480, sink_tokens=4) <= 0.5
+    capsys.readouterr()
+    assert "--retrieval-reserve must be in [0, --budget)" in _error(
+        [*base, "--retrieval-reserve", "0.5", "--out", "x"], capsys)
+    assert "--repair-rounds must be >= 1" in _error(
+        [*base, "--retrieval-reserve", "0.1", "--repair-rounds", "0", "--out", "x"], capsys)
+    plain_kl = [a if a != "kl_retrieval" else "kl" for a in base]
+    assert "--retrieval-reserve needs --policy budgeted --measure kl_retrieval" in _error(
+        [*plain_kl, "--retrieval-reserve", "0.1", "--out", "x"], capsys)

@@ -5,7 +5,8 @@ window (plus ``S`` always-visible sink tokens) through transformers' ``Attention
 ``unpatch`` undoes it. ``new_cache(model)`` is a KV cache that keeps only each head's window
 and sinks; a patched model's ``generate`` uses one unless it is given another cache.
 ``calibrate(model, batches, policy=...)`` chooses the windows on real text (``aah_v3``,
-``uniform`` or ``budgeted``, the last by lost mass or by the estimated KL each window adds);
+``uniform`` or ``budgeted``, the last by lost mass, by the estimated KL each window adds, or by
+that plus an answer loss on synthetic retrieval, optionally repaired by ``repair_windows``);
 ``save_windows`` / ``load_windows`` keep them in a safetensors file with their metadata
 (``check_windows_for`` checks a file against a model; ``patch(model, "w.safetensors")`` takes
 the file's windows and sink tokens).
@@ -37,6 +38,7 @@ _EXPORTS = {
     "measure_window_kl": "loss_estimate",
     "measure_answer_loss": "retrieval_calibration",
     "calibration_sequences": "retrieval_calibration",
+    "repair_windows": "retrieval_repair",
     "save_windows": "windows_file",
     "load_windows": "windows_file",
     "check_windows_for": "windows_file",

@@ -21,7 +21,9 @@ Policies:
   meant for ``scope="model"``. ``measure="kl_retrieval"`` adds to it, with weight
   ``retrieval_weight``, what each window costs on synthetic long-range retrieval: the rise of
   the answer tokens' loss on ``retrieval`` sequences (:mod:`aah.hf.retrieval_calibration`),
-  so the knapsack keeps the heads that must see far.
+  so the knapsack keeps the heads that must see far. With ``retrieval_reserve`` (ours) the
+  knapsack leaves part of the budget to a repair pass (:mod:`aah.hf.retrieval_repair`) that
+  widens the KV groups that lower the answer loss most with the whole model windowed.
 
 With grouped-query attention the windows are decided per KV group by default
 (``granularity="kv_group"``): the query heads that share a KV head share its window, so the
@@ -53,6 +55,7 @@ from .patching import (
     recording,
 )
 from .retrieval_calibration import measure_answer_loss
+from .retrieval_repair import repair_windows
 
 __all__ = [
     "POLICIES",
@@ -290,6 +293,8 @@ def calibrate(
     measure: str = "lost_mass",
     retrieval: Sequence | None = None,
     retrieval_weight: float = 1.0,
+    retrieval_reserve: float = 0.0,
+    repair_rounds: int = 3,
 ) -> torch.Tensor:
     """(num_layers, num_query_heads) windows for ``model`` chosen by ``policy``.
 
@@ -298,7 +303,10 @@ def calibrate(
     ``budgeted`` policy spends its budget and ``measure`` (``lost_mass`` or ``kl``) what it
     minimises. ``measure="kl_retrieval"`` needs ``retrieval``, the sequences of
     :func:`aah.hf.retrieval_calibration.calibration_sequences`, whose answer loss it adds to the
-    KL estimate times ``retrieval_weight``. The model is left unpatched.
+    KL estimate times ``retrieval_weight``. With ``retrieval_reserve`` > 0 the knapsack spends
+    ``budget - retrieval_reserve`` and the repair pass of :mod:`aah.hf.retrieval_repair` spends
+    the rest in ``repair_rounds`` rounds on the items that most lower the answer loss of the
+    whole windowed model. The model is left unpatched.
     """
     check_choice("policy", policy, POLICIES)
     check_choice("granularity", granularity, GRANULARITIES)
@@ -311,6 +319,8 @@ def calibrate(
     modules = attention_modules(model)
     heads = model.config.num_attention_heads
     check_policy_budget(policy, budget, seq_len, sink_tokens=sink_tokens, candidates=candidates)
+    if retrieval_reserve and policy != "budgeted":
+        raise ValueError(f"retrieval_reserve needs policy 'budgeted' (measure 'kl_retrieval'), got {policy!r}")
     if policy == "uniform":
         window = uniform_window_for_budget(
             budget, seq_len, sink_tokens=sink_tokens, layer_windows=layer_sliding_windows(model)
@@ -319,7 +329,7 @@ def calibrate(
     if policy == "budgeted":
         return _run_budgeted(
             model, batches, budget, seq_len, candidates, sink_tokens, granularity, scope, measure, seed, progress,
-            retrieval, retrieval_weight,
+            retrieval, retrieval_weight, retrieval_reserve, repair_rounds,
         )
     windows = _run_aah_v3(model, modules, batches, heads, seq_len, candidates, seed, progress)
     if granularity == "kv_group":
@@ -329,9 +339,9 @@ def calibrate(
 
 def _run_budgeted(
     model, batches, budget, seq_len, candidates, sink_tokens, granularity, scope, measure, seed, progress,
-    retrieval=None, retrieval_weight=1.0,
+    retrieval=None, retrieval_weight=1.0, retrieval_reserve=0.0, repair_rounds=3,
 ):
-    """Measure what each window loses, then solve; a bad scope or measure fails before any forward pass."""
+    """Measure what each window loses, then solve (and repair); bad arguments fail before any forward pass."""
     check_choice("scope", scope, SCOPES)
     check_choice("measure", measure, MEASURES)
     cands = resolve_candidates(seq_len, candidates)
@@ -339,20 +349,52 @@ def _run_budgeted(
         raise ValueError("measure 'kl_retrieval' needs retrieval sequences (calibration_sequences)")
     if measure == "kl_retrieval" and not retrieval_weight >= 0:
         raise ValueError(f"retrieval_weight must be >= 0, got {retrieval_weight}")
+    knapsack_budget = _knapsack_budget(budget, retrieval_reserve, repair_rounds, measure, cands, seq_len, sink_tokens)
+    items = _items(model.config.num_attention_heads, _num_kv_heads(model), granularity)
+    full_nll: list[float] = []
     if measure in ("kl", "kl_retrieval"):
         lost = measure_window_kl(model, batches, cands, sink_tokens=sink_tokens, seed=seed, progress=progress)
         if measure == "kl_retrieval":
-            items = _items(model.config.num_attention_heads, _num_kv_heads(model), granularity)
             answer = measure_answer_loss(model, retrieval, cands, sink_tokens=sink_tokens, items=items,
-                                         progress=progress)
+                                         progress=progress, full_nll=full_nll)
             lost = lost + retrieval_weight * answer
     else:
         lost = measure_lost_mass(model, batches, cands, sink_tokens=sink_tokens, progress=progress)
-    return budgeted_windows(
-        lost, cands, budget, seq_len, sink_tokens=sink_tokens, num_kv_heads=_num_kv_heads(model),
-        granularity=granularity, scope=scope,
-        layer_windows=layer_sliding_windows(model),
+    layer_windows = layer_sliding_windows(model)
+    windows = budgeted_windows(
+        lost, cands, knapsack_budget, seq_len, sink_tokens=sink_tokens, num_kv_heads=_num_kv_heads(model),
+        granularity=granularity, scope=scope, layer_windows=layer_windows,
     )
+    if retrieval_reserve > 0:
+        windows, _ = repair_windows(
+            model, retrieval, windows, budget=budget, seq_len=seq_len, candidates=cands,
+            head_costs=[_window_pairs(cands, seq_len, sink_tokens, lw) for lw in layer_windows], items=items,
+            sink_tokens=sink_tokens, rounds=repair_rounds, full_nll=sum(full_nll) / len(full_nll), progress=progress,
+        )
+    return windows
+
+
+def _knapsack_budget(
+    budget: float, reserve: float, rounds: int, measure: str, candidates: Sequence[int], seq_len: int,
+    sink_tokens: int,
+) -> float:
+    """The budget left to the knapsack once the repair's ``reserve`` is set aside, or ``ValueError``."""
+    if not 0.0 <= reserve < 1.0:
+        raise ValueError(f"retrieval_reserve must be in [0, 1), got {reserve}")
+    if reserve == 0:
+        return budget
+    if measure != "kl_retrieval":
+        raise ValueError(f"retrieval_reserve needs measure 'kl_retrieval', got {measure!r}")
+    if rounds < 1:
+        raise ValueError(f"repair_rounds must be >= 1, got {rounds}")
+    left = budget - reserve
+    if left <= 0:
+        raise ValueError(f"retrieval_reserve {reserve:g} must be below the budget {budget:g}")
+    try:
+        return check_budgeted_budget(left, candidates, seq_len, sink_tokens=sink_tokens)
+    except ValueError as exc:
+        raise ValueError(f"retrieval_reserve {reserve:g} leaves the knapsack {left:g} of budget {budget:g}: "
+                         f"{exc}") from None
 
 
 def _run_aah_v3(model, modules, batches, heads, seq_len, candidates, seed, progress) -> torch.Tensor:

@@ -60,6 +60,12 @@ def add_commands(subparsers) -> None:
                            help="kl_retrieval: synthetic retrieval sequences of --seq-len tokens (default 8)")
     calibrate.add_argument("--retrieval-weight", type=float, default=1.0,
                            help="kl_retrieval: weight of the answer loss against the KL (default 1)")
+    calibrate.add_argument("--retrieval-reserve", type=float, default=0.0,
+                           help="kl_retrieval: causal coverage the knapsack leaves to the repair pass, which "
+                                "widens the KV groups that most lower the answer loss of the whole windowed "
+                                "model (default 0: no repair)")
+    calibrate.add_argument("--repair-rounds", type=int, default=3,
+                           help="kl_retrieval with --retrieval-reserve: measurement rounds of the repair (default 3)")
     calibrate.add_argument("--sink-tokens", type=int, default=4)
     calibrate.add_argument("--batches", type=int, default=4, help="calibration blocks (default 4)")
     calibrate.add_argument("--granularity", default="kv_group", help="kv_group (default) or head")
@@ -198,7 +204,8 @@ def _retrieval_sequences(tokenizer, args: argparse.Namespace):
     from .retrieval_calibration import calibration_sequences
 
     try:
-        return calibration_sequences(tokenizer, args.seq_len, args.retrieval_sequences, seed=args.seed)
+        return calibration_sequences(tokenizer, args.seq_len, args.retrieval_sequences, seed=args.seed,
+                                     instruction=args.retrieval_reserve > 0)
     except (CorpusNotFoundError, ValueError) as exc:
         raise CLIError(f"--measure kl_retrieval: {exc}") from None
 
@@ -222,6 +229,12 @@ def _calibrate(args: argparse.Namespace) -> int:
         raise CLIError(f"--retrieval-sequences must be >= 1, got {args.retrieval_sequences}")
     if retrieval_flags and not args.retrieval_weight >= 0:
         raise CLIError(f"--retrieval-weight must be >= 0, got {args.retrieval_weight}")
+    if args.retrieval_reserve and not retrieval_flags:
+        raise CLIError("--retrieval-reserve needs --policy budgeted --measure kl_retrieval")
+    if retrieval_flags and not 0 <= args.retrieval_reserve < (args.budget or 0):
+        raise CLIError(f"--retrieval-reserve must be in [0, --budget), got {args.retrieval_reserve}")
+    if retrieval_flags and args.repair_rounds < 1:
+        raise CLIError(f"--repair-rounds must be >= 1, got {args.repair_rounds}")
     _, tokenizer, load_model = _load(args.model_dir, args.seq_len)
     blocks = _blocks(tokenizer, args.corpus, "train", args.seq_len, args.batches)
     _check_budget(args, candidates)
@@ -232,7 +245,8 @@ def _calibrate(args: argparse.Namespace) -> int:
             model, blocks.split(1), policy=args.policy, budget=args.budget, sink_tokens=args.sink_tokens,
             granularity=args.granularity, seed=args.seed, progress=True, scope=args.scope,
             candidates=candidates, measure=args.measure, retrieval=retrieval,
-            retrieval_weight=args.retrieval_weight,
+            retrieval_weight=args.retrieval_weight, retrieval_reserve=args.retrieval_reserve,
+            repair_rounds=args.repair_rounds,
         )
     except ValueError as exc:
         raise CLIError(str(exc)) from None
@@ -251,6 +265,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         "batches": args.batches,
         "retrieval_sequences": args.retrieval_sequences if retrieval_flags else None,
         "retrieval_weight": args.retrieval_weight if retrieval_flags else None,
+        "retrieval_reserve": args.retrieval_reserve if retrieval_flags else None,
+        "repair_rounds": args.repair_rounds if retrieval_flags and args.retrieval_reserve > 0 else None,
     }
     specs = layer_windows_for(model, windows, args.sink_tokens)
     meta["acr"], meta["causal_coverage"] = executed_coverage(model, args.seq_len, specs)

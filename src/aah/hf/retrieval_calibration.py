@@ -11,6 +11,9 @@ The calibration sequences are built from other material than the evaluation of
   with other lockers, the asked needle at a depth spread over 10-90 %;
 * question and teacher-forced answer: "Question: what is the access code of the LOCKER
   locker? Answer: the access code of the LOCKER locker is ABC-1234."
+* with ``instruction`` (the sequences of :mod:`aah.hf.retrieval_repair`), the context opens
+  with :data:`CALIBRATION_INSTRUCTION`, as real retrieval prompts open with one, worded unlike
+  the evaluation's introductions.
 
 For each sequence the context and the question but its last token are read once at full
 attention into a cache. Then, for every knapsack item (a KV group or a head) of every layer
@@ -30,7 +33,7 @@ an item's heads (what :func:`aah.hf.calibration.budgeted_windows` does) gives it
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -38,12 +41,13 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from ..backends import attend, backend_takes_sinks
 from ..windows import visible
 from ._transformers import require
 from .patching import attention_modules, layer_sinks, layer_sliding_window
 from .retrieval import _tokens, assemble, corpus_lines
 
-__all__ = ["CALIBRATION_FILLER", "RetrievalSequence", "calibration_sequences", "measure_answer_loss"]
+__all__ = ["CALIBRATION_FILLER", "CALIBRATION_INSTRUCTION", "RetrievalSequence", "calibration_sequences", "measure_answer_loss"]
 
 #: The corpus and split the calibration needles are buried in.
 CALIBRATION_FILLER = ("bible", "train")
@@ -51,6 +55,11 @@ CALIBRATION_FILLER = ("bible", "train")
 _ADJECTIVES = ("rusty", "narrow", "square", "heavy", "tiny", "crooked", "shiny", "wooden", "painted", "locked")
 _COLOURS = ("scarlet", "teal", "ochre", "violet", "indigo", "crimson", "beige", "maroon", "lime", "silver")
 _PROBE = "aah_probe"
+_PROMPT_BACKEND = "strips"
+#: The opening of the repair's calibration sequences: an instruction, as retrieval prompts have,
+#: worded unlike any of the evaluation's introductions.
+CALIBRATION_INSTRUCTION = ("Read the passage below. A few notes are written into it; keep each of them in mind,"
+                           " because a question about one note follows the passage.\n")
 
 
 @dataclass(frozen=True)
@@ -68,10 +77,12 @@ def _code(rng: random.Random) -> str:
 
 
 def calibration_sequences(
-    tokenizer, seq_len: int, count: int, *, seed: int = 0, filler: tuple[str, str] = CALIBRATION_FILLER
+    tokenizer, seq_len: int, count: int, *, seed: int = 0, filler: tuple[str, str] = CALIBRATION_FILLER,
+    instruction: bool = False,
 ) -> list[RetrievalSequence]:
     """``count`` sequences of ``seq_len`` tokens (context + question + answer), asked needle at
-    depths spread evenly over 10-90 %, deterministic from ``seed``."""
+    depths spread evenly over 10-90 %, deterministic from ``seed``. With ``instruction`` the
+    context opens with :data:`CALIBRATION_INSTRUCTION` (the sequences of the retrieval repair)."""
     if count < 1:
         raise ValueError(f"need at least one retrieval sequence, got {count}")
     tok = _tokens(tokenizer)
@@ -91,7 +102,8 @@ def calibration_sequences(
         answer = tok(f" {codes[0]}.")
         start = rng.randrange(len(lines))
         context, _ = assemble(tok, seq_len - len(prefix) - len(question) - len(answer),
-                              lambda j, s=start: lines[(s + j) % len(lines)], needles, "", "")
+                              lambda j, s=start: lines[(s + j) % len(lines)], needles,
+                              CALIBRATION_INSTRUCTION if instruction else "", "")
         out.append(RetrievalSequence(tuple(prefix) + tuple(context), question, answer))
     return out
 
@@ -100,14 +112,14 @@ def calibration_sequences(
 def _probe(model: torch.nn.Module, sink_tokens: int):
     """Switch ``model`` to an exact SDPA attention whose heads can be given windows one layer at a time.
 
-    Yields ``set_windows(layer, windows)``: ``windows`` ((B, H): one per row of the batch and
-    query head, ``None`` for full attention everywhere) applies to ``layer`` only; every other layer runs full causal
+    Yields ``set_windows(by_layer)``: ``by_layer`` maps a layer to its windows ((B, H) or (1, H):
+    one per row of the batch and query head, sinks kept); every other layer runs full causal
     attention (each within its own sliding window, where the layer has one).
     """
     transformers = require()
     modules = attention_modules(model)
     contexts = {id(m): layer_sliding_window(model, m) for m in modules}
-    active: dict = {"layer": None, "windows": None}
+    active: dict[int, torch.Tensor] = {}
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         q_len, k_len = query.shape[2], key.shape[2]
@@ -118,8 +130,16 @@ def _probe(model: torch.nn.Module, sink_tokens: int):
         if context is not None:
             allowed = allowed & (qpos - kpos < context)
         mask = allowed[None, None]
-        if active["layer"] == module.layer_idx and active["windows"] is not None:
-            w = active["windows"].to(query.device)[:, :, None, None]  # (B, H, 1, 1)
+        windows = active.get(module.layer_idx)
+        if windows is not None and windows.shape[0] == 1 and q_len == k_len and context is None:
+            # A whole windowed prompt (the repair's context read): the strip kernel skips the work
+            # outside the windows and sinks instead of masking it.
+            row = tuple(int(w) for w in windows[0])
+            if not sink_tokens or backend_takes_sinks(_PROMPT_BACKEND, row, q_len, sink_tokens):
+                out = attend(query, key, value, row, backend=_PROMPT_BACKEND, scale=scaling, sink_tokens=sink_tokens)
+                return out.transpose(1, 2).contiguous(), None
+        if windows is not None:
+            w = windows.to(query.device)[:, :, None, None]  # (B, H, 1, 1)
             sinks = layer_sinks(sink_tokens, context)
             mask = allowed & visible(qpos, kpos, w, sinks)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
@@ -129,8 +149,9 @@ def _probe(model: torch.nn.Module, sink_tokens: int):
     transformers.masking_utils.AttentionMaskInterface.register(_PROBE, transformers.masking_utils.sdpa_mask)
     previous = model.config._attn_implementation
 
-    def set_windows(layer: int | None, windows: torch.Tensor | None) -> None:
-        active["layer"], active["windows"] = layer, windows
+    def set_windows(by_layer: Mapping[int, torch.Tensor]) -> None:
+        active.clear()
+        active.update(by_layer)
 
     model.set_attn_implementation(_PROBE)
     try:
@@ -157,12 +178,14 @@ def measure_answer_loss(
     sink_tokens: int,
     items: Sequence[Sequence[int]],
     progress: bool = False,
+    full_nll: list[float] | None = None,
 ) -> torch.Tensor:
     """(L, H, K) rise of the answer tokens' NLL per answer token when one item's heads take each
     candidate window at the positions that predict the answer, shared equally among the item's heads.
 
     All (item, candidate) variants of one layer run as one batch over a cache of the context
-    repeated for each of them.
+    repeated for each of them. ``full_nll``, when given, receives each sequence's answer NLL per
+    answer token at full attention (the reference of :mod:`aah.hf.retrieval_repair`).
     """
     dynamic_cache = require("transformers.cache_utils").DynamicCache
     modules = attention_modules(model)
@@ -186,16 +209,18 @@ def measure_answer_loss(
             for v, (i, c) in enumerate(variants):
                 windows[v, list(items[i])] = int(candidates[c])
             cache = dynamic_cache(config=model.config)
-            set_windows(None, None)
+            set_windows({})
             model(ids[:, :read], past_key_values=cache, use_cache=True)
             base = float(_answer_nll(model, cache, inputs, answer)[0])
+            if full_nll is not None:
+                full_nll.append(base / len(seq.answer))
             cache.batch_repeat_interleave(len(variants))
             batch = inputs.expand(len(variants), -1)
             for layer in range(len(modules)):
-                set_windows(layer, windows)
+                set_windows({layer: windows})
                 rise = (_answer_nll(model, cache, batch, answer).double() - base).clamp_min(0.0).cpu()
                 for v, (i, c) in enumerate(variants):
                     totals[layer, list(items[i]), c] += float(rise[v]) / len(items[i])
                 bar.update()
-            set_windows(None, None)
+            set_windows({})
     return (totals / answer_tokens).float()
