@@ -156,7 +156,8 @@ def repair_windows(
             sink_tokens=sink_tokens, progress=progress,
         )
         share = room // (rounds - r)
-        order = sorted(range(len(open_items)), key=lambda v: -float(gain[v]) / delta[open_items[v]])
+        # A widening a layer's own sliding window makes free (delta 0) counts as one pair.
+        order = sorted(range(len(open_items)), key=lambda v: -float(gain[v]) / max(delta[open_items[v]], 1))
         taken, used = [], 0
         for v in order:
             if gain[v] <= 0:
