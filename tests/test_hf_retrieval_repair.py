@@ -190,3 +190,17 @@ def test_calibrate_reserve_errors(kwargs, message):
     batches = [torch.zeros(1, 160, dtype=torch.int64)]
     with pytest.raises(ValueError, match=message):
         calibrate(_llama(), batches, **args)
+
+
+def test_repair_takes_a_free_widening_first(monkeypatch):
+    # Layer 1 runs its own sliding window of 16: every candidate above it costs what 16 costs,
+    # so widening its items is free and ranks first whatever its gain.
+    windows = torch.full((2, 4), 16)
+    capped = [_pairs(min(c, 16)) for c in CANDS]
+    costs = [[_pairs(c) for c in CANDS], capped]
+    _fake_gains(monkeypatch, [{(0, 0): 5.0, (1, 2): 0.01}], [1.0])
+    budget = causal_coverage(windows, T) + 1e-3  # no room for any paid widening
+    got, log = repair_windows(None, [], windows, budget=budget, seq_len=T, candidates=CANDS, head_costs=costs,
+                              items=ITEMS, sink_tokens=0, rounds=1)
+    assert log[0].widened == ((1, 1),)
+    assert (got[1, 2:] == 64).all() and (got[0] == 16).all() and (got[1, :2] == 16).all()
