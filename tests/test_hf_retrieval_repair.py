@@ -171,7 +171,7 @@ def test_calibrate_with_a_reserve_repairs_the_smaller_knapsack(monkeypatch):
     knapsack = budgeted_windows(lost, cands, 0.4, 160, sink_tokens=2, num_kv_heads=2, scope="model")
     assert torch.equal(seen["windows"], knapsack)
     assert seen["budget"] == 0.6 and seen["rounds"] == 2 and seen["sequences"] is seqs
-    assert seen["full_nll"] == pytest.approx(sum(full) / len(full))
+    assert seen["full_nll"] == pytest.approx(sum(full) / sum(len(s.answer) for s in seqs))  # per answer token
     assert causal_coverage(got, 160, sink_tokens=2) <= 0.6
     assert ((got == knapsack) | (got == 160)).all()  # the repair only widens, to the largest candidate
 

@@ -369,7 +369,8 @@ def _run_budgeted(
         windows, _ = repair_windows(
             model, retrieval, windows, budget=budget, seq_len=seq_len, candidates=cands,
             head_costs=[_window_pairs(cands, seq_len, sink_tokens, lw) for lw in layer_windows], items=items,
-            sink_tokens=sink_tokens, rounds=repair_rounds, full_nll=sum(full_nll) / len(full_nll), progress=progress,
+            sink_tokens=sink_tokens, rounds=repair_rounds,
+            full_nll=sum(full_nll) / sum(len(seq.answer) for seq in retrieval), progress=progress,
         )
     return windows
 

@@ -41,10 +41,15 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..backends import attend, backend_takes_sinks
 from ..windows import visible
 from ._transformers import require
-from .patching import attention_modules, layer_sinks, layer_sliding_window
+from .patching import (
+    LayerWindows,
+    attend_without_cache,
+    attention_modules,
+    layer_sinks,
+    layer_sliding_window,
+)
 from .retrieval import _tokens, assemble, corpus_lines
 
 __all__ = ["CALIBRATION_FILLER", "CALIBRATION_INSTRUCTION", "RetrievalSequence", "calibration_sequences", "measure_answer_loss"]
@@ -110,7 +115,7 @@ def calibration_sequences(
 
 @contextmanager
 def _probe(model: torch.nn.Module, sink_tokens: int):
-    """Switch ``model`` to an exact SDPA attention whose heads can be given windows one layer at a time.
+    """Switch ``model`` to an exact attention whose heads can be given windows per layer.
 
     Yields ``set_windows(by_layer)``: ``by_layer`` maps a layer to its windows ((B, H) or (1, H):
     one per row of the batch and query head, sinks kept); every other layer runs full causal
@@ -131,13 +136,11 @@ def _probe(model: torch.nn.Module, sink_tokens: int):
             allowed = allowed & (qpos - kpos < context)
         mask = allowed[None, None]
         windows = active.get(module.layer_idx)
-        if windows is not None and windows.shape[0] == 1 and q_len == k_len and context is None:
-            # A whole windowed prompt (the repair's context read): the strip kernel skips the work
-            # outside the windows and sinks instead of masking it.
-            row = tuple(int(w) for w in windows[0])
-            if not sink_tokens or backend_takes_sinks(_PROMPT_BACKEND, row, q_len, sink_tokens):
-                out = attend(query, key, value, row, backend=_PROMPT_BACKEND, scale=scaling, sink_tokens=sink_tokens)
-                return out.transpose(1, 2).contiguous(), None
+        if windows is not None and windows.shape[0] == 1 and q_len == k_len:
+            # A whole windowed prompt (the repair's context read) runs as a patched layer runs it:
+            # the strip kernel skips the work outside the windows and sinks instead of masking it.
+            spec = LayerWindows.build(tuple(int(w) for w in windows[0]), sink_tokens, _PROMPT_BACKEND, context)
+            return attend_without_cache(query, key, value, None, scaling, spec).transpose(1, 2).contiguous(), None
         if windows is not None:
             w = windows.to(query.device)[:, :, None, None]  # (B, H, 1, 1)
             sinks = layer_sinks(sink_tokens, context)
@@ -184,8 +187,8 @@ def measure_answer_loss(
     candidate window at the positions that predict the answer, shared equally among the item's heads.
 
     All (item, candidate) variants of one layer run as one batch over a cache of the context
-    repeated for each of them. ``full_nll``, when given, receives each sequence's answer NLL per
-    answer token at full attention (the reference of :mod:`aah.hf.retrieval_repair`).
+    repeated for each of them. ``full_nll``, when given, receives each sequence's summed answer
+    NLL at full attention (the reference of :mod:`aah.hf.retrieval_repair`).
     """
     dynamic_cache = require("transformers.cache_utils").DynamicCache
     modules = attention_modules(model)
@@ -213,7 +216,7 @@ def measure_answer_loss(
             model(ids[:, :read], past_key_values=cache, use_cache=True)
             base = float(_answer_nll(model, cache, inputs, answer)[0])
             if full_nll is not None:
-                full_nll.append(base / len(seq.answer))
+                full_nll.append(base)
             cache.batch_repeat_interleave(len(variants))
             batch = inputs.expand(len(variants), -1)
             for layer in range(len(modules)):
