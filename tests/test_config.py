@@ -259,6 +259,7 @@ def test_override_errors_name_the_override(override, parts):
         (["optim.lr=-0.001"], ["optim.lr", ">= 0"]),
         (["optim.beta2=1.0"], ["optim.beta2"]),
         (["optim.min_lr_ratio=2"], ["optim.min_lr_ratio"]),
+        (["optim.decay_steps=0"], ["optim.decay_steps", ">= 1"]),
         (["data.tokenizer=gpt2"], ["data.tokenizer", "byte", "bpe", "hf:"]),
         (["data.val_fraction=0"], ["data.val_fraction"]),
         (["eval.batches=0"], ["eval.batches"]),

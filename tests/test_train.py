@@ -73,6 +73,24 @@ def test_lr_schedule_warms_up_then_decays_to_floor():
     assert lr_at(14, **kw) == pytest.approx(0.1)
 
 
+def test_decay_steps_sets_the_schedule_length_apart_from_the_run_length(corpus, tmp_path):
+    """A 12-step run on a 44-step schedule logs the rates of that schedule's first 12 steps, not
+    a cosine that ends at step 12."""
+    overrides = tiny_overrides(corpus, tmp_path / "cache") + ["optim.warmup_steps=4", "optim.decay_steps=44",
+                                                              "log.every=1"]
+    cfg = load_config(None, overrides)
+    assert cfg.optim.decay_steps == 44 and cfg.train.max_steps == 12
+    train(cfg, tmp_path / "run")
+    logged = {r["step"]: r["lr"] for r in train_records(tmp_path / "run")}
+    lr = cfg.optim.lr
+    for logged_step, value in logged.items():
+        step = logged_step - 1  # a record is logged after its step, under the count of steps done
+        # The hand-written schedule: warmup over 4 steps, then a cosine over the 40 that follow.
+        expected = lr * (step + 1) / 4 if step < 4 else lr * 0.5 * (1 + math.cos(math.pi * (step - 4) / 40))
+        assert value == pytest.approx(expected, rel=1e-6), logged_step
+    assert logged[max(logged)] > 0.8 * lr  # a cosine ending at step 12 would be near 0 here
+
+
 def test_run_folder_has_config_metrics_checkpoints_and_meta(corpus, tmp_path):
     cfg = load_config(None, tiny_overrides(corpus, tmp_path / "cache"))
     run = tmp_path / "run"

@@ -366,7 +366,8 @@ class DataConfig(_Section):
 
 @dataclass(frozen=True)
 class OptimConfig(_Section):
-    """AdamW and the learning-rate schedule: linear warmup, then cosine to ``lr * min_lr_ratio``."""
+    """AdamW and the learning-rate schedule: linear warmup, then cosine to ``lr * min_lr_ratio``
+    at ``decay_steps`` (``train.max_steps`` when unset)."""
 
     section: ClassVar[str] = "optim"
     lr: float = 3e-4
@@ -376,11 +377,13 @@ class OptimConfig(_Section):
     eps: float = 1e-8
     warmup_steps: int = 100
     min_lr_ratio: float = 0.0
+    decay_steps: int | None = None
     grad_clip: float = 1.0
 
     def _validate(self) -> None:
         for name in ("lr", "weight_decay", "warmup_steps", "grad_clip"):
             self._at_least(name, 0)
+        self._at_least("decay_steps", 1)
         self._in_unit("beta1")
         self._in_unit("beta2")
         self._in_unit("min_lr_ratio", closed=True)

@@ -281,13 +281,16 @@ def run_suite(
     failures = []
     pending = [s for s in specs if run_state(s.run_dir) != "done" or config_mismatch(s)]
     total_steps = sum(s.max_steps for s in specs)
-    bar = tqdm(total=total_steps, desc=f"suite {suite.name}", unit="step", dynamic_ncols=True)
+    # Steps already logged (a resumed suite) are the bar's start, so its rate and time left count
+    # only the steps this invocation runs.
+    bar = tqdm(total=total_steps, initial=_steps_done(specs), desc=f"suite {suite.name}", unit="step",
+               dynamic_ncols=True)
     finished = threading.Event()
     stopping = threading.Event()
 
     def monitor() -> None:
         while not finished.wait(1.0):
-            bar.n = sum(min(s.max_steps, _logged_step(s.run_dir)) for s in specs)
+            bar.n = _steps_done(specs)
             bar.refresh()
 
     watcher = threading.Thread(target=monitor, daemon=True)
@@ -302,9 +305,14 @@ def run_suite(
     finally:
         finished.set()
         watcher.join()
-        bar.n = sum(min(s.max_steps, _logged_step(s.run_dir)) for s in specs)
+        bar.n = _steps_done(specs)
         bar.close()
     return specs, failures
+
+
+def _steps_done(specs: list[RunSpec]) -> int:
+    """Steps the runs of ``specs`` have logged, each counted up to its ``max_steps``."""
+    return sum(min(s.max_steps, _logged_step(s.run_dir)) for s in specs)
 
 
 def _logged_step(run_dir: Path) -> int:

@@ -79,7 +79,8 @@ class TrainResult:
 
 
 def lr_at(step: int, *, lr: float, warmup: int, max_steps: int, min_ratio: float) -> float:
-    """Linear warmup over ``warmup`` steps, then cosine decay to ``lr * min_ratio`` at ``max_steps``."""
+    """Linear warmup over ``warmup`` steps, then cosine decay to ``lr * min_ratio`` at ``max_steps``
+    (the schedule's length: ``optim.decay_steps`` when set, else ``train.max_steps``)."""
     if warmup > 0 and step < warmup:
         return lr * (step + 1) / warmup
     span = max(1, max_steps - warmup)
@@ -324,7 +325,7 @@ class _Training:
         self.model.train()
         self.model.set_step(self.step)
         lr = lr_at(self.step, lr=cfg.optim.lr, warmup=cfg.optim.warmup_steps,
-                   max_steps=cfg.train.max_steps, min_ratio=cfg.optim.min_lr_ratio)
+                   max_steps=cfg.optim.decay_steps or cfg.train.max_steps, min_ratio=cfg.optim.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         start = time.perf_counter()
