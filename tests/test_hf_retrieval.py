@@ -274,6 +274,42 @@ def test_retrieval_sink_tokens_override_the_windows_file(model_dir, tmp_path, ca
     capsys.readouterr()
 
 
+def test_retrieval_kept_keys_are_reported_and_are_another_run(model_dir, tmp_path, monkeypatch, capsys):
+    """--tail-tokens/--kept-keys: the config and the per-setting facts say what ran (the tail's pairs
+    in the causal coverage, the kept keys in the ACR), and the journal keeps their answers apart."""
+    from aah.hf import retrieval_eval
+    from aah.hf.kept_keys import KeptKeys, kept_coverage
+    from aah.hf.patching import layer_windows_for
+
+    out, journal = tmp_path / "r.json", tmp_path / "answers.jsonl"
+    argv = ["hf", "retrieval", str(model_dir / "model"), "--windows", str(model_dir / "w.safetensors"),
+            "--lengths", "400", "--depths", "0.5", "--trials", "1", "--settings", "aah,uniform",
+            "--json", str(out), "--answers", str(journal)]
+    assert main(argv) == 0
+    plain = json.loads(out.read_text())
+    kept_argv = [*argv, "--tail-tokens", "8", "--kept-keys", "16", "--kept-pool", "3"]
+    assert main(kept_argv) == 0
+    kept = json.loads(out.read_text())
+    assert (kept["config"]["tail_tokens"], kept["config"]["kept_keys"], kept["config"]["kept_pool"]) == (8, 16, 3)
+    assert plain["config"]["tail_tokens"] is None
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir / "model")
+    windows = load_windows(model_dir / "w.safetensors")[0]
+    expected = kept_coverage(layer_windows_for(model, windows, 4), 400, KeptKeys(8, 16, 3))
+    facts = kept["settings"]["aah"]["400"]
+    assert (facts["acr"], facts["causal_coverage"]) == pytest.approx(expected)
+    assert facts["causal_coverage"] > plain["settings"]["aah"]["400"]["causal_coverage"]
+    assert kept["settings"]["uniform"]["400"]["acr"] > plain["settings"]["uniform"]["400"]["acr"]
+
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("decoded again")
+
+    monkeypatch.setattr(retrieval_eval, "generate_answers", no_decoding)
+    assert main(kept_argv) == 0  # the same kept keys: every answer from the journal
+    with pytest.raises(AssertionError, match="decoded again"):
+        main([*argv, "--tail-tokens", "8", "--kept-keys", "32"])
+    capsys.readouterr()
+
+
 def _error(argv, capsys) -> str:
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
@@ -290,6 +326,11 @@ def test_retrieval_command_refuses_bad_input(model_dir, capsys):
     assert "--settings must be" in _error([*base, "--lengths", "400", "--settings", "full,best"], capsys)
     assert "--trials must be >= 1" in _error([*base, "--lengths", "400", "--trials", "0"], capsys)
     assert "--sink-tokens must be >= 0" in _error([*base, "--lengths", "400", "--sink-tokens", "-1"], capsys)
+    assert "go together" in _error([*base, "--lengths", "400", "--kept-keys", "16"], capsys)
+    assert "--tail-tokens must be >= 1" in _error([*base, "--lengths", "400", "--tail-tokens", "0", "--kept-keys", "4"],
+                                                  capsys)
+    assert "--kept-pool must be odd" in _error([*base, "--lengths", "400", "--tail-tokens", "4", "--kept-keys", "4",
+                                                "--kept-pool", "4"], capsys)
     assert "max_position_embeddings" in _error([*base, "--lengths", "4096"], capsys)
     assert "cannot hold" in _error([*base, "--lengths", "60"], capsys)
     assert "windows file not found" in _error([*base[:-1], "nope.safetensors", "--lengths", "400"], capsys)

@@ -278,6 +278,7 @@ class RingStore:
         first_real: torch.Tensor | None = None,
         key_mask: torch.Tensor | None = None,
         scale: float | None = None,
+        kept: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Exact masked attention of ``query`` (B, H, T, D) at positions ``start..`` over the stored
         slots plus the new keys/values (B, H_kv, T, D) of those positions, which are not stored yet.
@@ -286,7 +287,10 @@ class RingStore:
         column: a sink outside the window from its sink slot (once stored), every other key from
         the ring or the new tokens. ``first_real`` (B,) as in :meth:`write`; ``key_mask`` (B, 1,
         T, >= start + T), ``True`` (or 0.0) where a key position may be read (a padding mask).
-        Computes in the query's dtype (the stored entries are cast to it); returns (B, H, T, D_v).
+        ``kept``: keys, values (B, H_kv, K, D) and a (B, H_kv, K) flag of which hold a key, seen by
+        every query of the heads reading each KV head (far keys outside every window,
+        :mod:`aah.hf.kept_keys`). Computes in the query's dtype (the stored entries are cast to
+        it); returns (B, H, T, D_v).
         """
         batch, _, new, _ = query.shape
         device, sinks = query.device, self.sinks
@@ -319,6 +323,12 @@ class RingStore:
                 allowed = allowed & unmasked.gather(-1, columns)
             # A row with nothing to read (all padding) reads its own token: finite, and never used.
             allowed = allowed | (~allowed.any(-1, keepdim=True) & (dist == 0)[:, None])
+            if kept is not None:
+                kept_keys, kept_values, kept_valid = (t[:, g.kv_heads] for t in kept)
+                keys = torch.cat([kept_keys.to(dtype), keys], dim=2)
+                values = torch.cat([kept_values.to(dtype), values], dim=2)
+                readers = kept_valid.repeat_interleave(len(g.query_heads) // len(g.kv_heads), dim=1)
+                allowed = torch.cat([readers[:, :, None, :].expand(-1, -1, new, -1), allowed], dim=-1)
             q = query[:, g.query_heads]
             out[:, g.query_heads] = F.scaled_dot_product_attention(
                 q, keys, values, attn_mask=allowed, scale=scale, enable_gqa=q.shape[1] != keys.shape[1]
@@ -338,6 +348,7 @@ class RingStore:
         key_mask: torch.Tensor | None = None,
         compute: torch.dtype | None = None,
         record: WriteRecorder | None = None,
+        kept: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Attend ``query`` (B, H, T, D) at positions ``start..`` over the stored slots plus the new
         keys/values, then store those: the route of every call that is not a whole compiled block.
@@ -345,12 +356,13 @@ class RingStore:
         ``prefill`` (the first call, ``start == 0``) runs the model's own attention; one token
         without ``key_mask`` that :meth:`compiled_ready` allows is written, then read by one
         :meth:`decode` call; anything else is :meth:`attend` (with the query in ``compute``, when
-        given). :attr:`route` names the route taken. Other arguments as :meth:`attend` and :meth:`write`.
+        given; always, with ``kept`` keys). :attr:`route` names the route taken. Other arguments as
+        :meth:`attend` and :meth:`write`.
         """
         if start == 0:
             self.route = "prefill"
             out = prefill()
-        elif query.shape[2] == 1 and key_mask is None and self.compiled_ready(query, first_real):
+        elif query.shape[2] == 1 and key_mask is None and kept is None and self.compiled_ready(query, first_real):
             self.route = "compiled attention"
             self.write(new_keys, new_values, start, first_real, record)
             return self.decode(query[:, :, 0], start + 1, scale)[:, :, None]
@@ -358,7 +370,8 @@ class RingStore:
             self.route = "masked"
             compute = query.dtype if compute is None else compute
             out = self.attend(
-                query.to(compute), new_keys, new_values, start, first_real=first_real, key_mask=key_mask, scale=scale
+                query.to(compute), new_keys, new_values, start, first_real=first_real, key_mask=key_mask, scale=scale,
+                kept=kept,
             ).to(query.dtype)
         self.write(new_keys, new_values, start, first_real, record)
         return out

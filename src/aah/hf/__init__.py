@@ -4,6 +4,8 @@
 window (plus ``S`` always-visible sink tokens) through transformers' ``AttentionInterface``;
 ``unpatch`` undoes it. ``new_cache(model)`` is a KV cache that keeps only each head's window
 and sinks; a patched model's ``generate`` uses one unless it is given another cache.
+``new_cache(model, kept_keys=KeptKeys(tail, keys))`` also lets the prompt's last tokens read
+everything and keeps, per KV head, the far keys they read most.
 ``calibrate(model, batches, policy=...)`` chooses the windows on real text (``aah_v3``,
 ``uniform`` or ``budgeted``, the last by lost mass, by the estimated KL each window adds, or by
 that plus an answer loss on synthetic retrieval, optionally repaired by ``repair_windows``);
@@ -32,6 +34,7 @@ _EXPORTS = {
     "cache_memory_bytes": "cache",
     "cache_route": "cache",
     "new_cache": "cache",
+    "KeptKeys": "kept_keys",
     "convert_gguf": "convert",
     "calibrate": "calibration",
     "measure_lost_mass": "calibration",

@@ -41,8 +41,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..decode.rings import RingGroup, RingStore, joined_route
+from ..decode.rings import RingGroup, RingStore, joined_route, kv_capacities
 from ._transformers import require
+from .kept_keys import KeptKeys, KeptStore, choose_kept, tail_attention
 from .patching import SPEC_ATTR, LayerWindows, attend_without_cache, layer_specs, visible_keys
 from .windowed_kv import Pending, WindowedKV
 
@@ -84,6 +85,7 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         *,
         max_cache_len: int | None = None,
         crop_limit: int = 0,
+        kept_keys: KeptKeys | None = None,
     ):
         super().__init__()
         heads = len(windows)
@@ -98,6 +100,8 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         self.num_kv_heads = num_kv_heads
         self.max_cache_len = max_cache_len
         self.crop_limit = crop_limit
+        self.kept_keys = kept_keys
+        self.kept: KeptStore | None = None  # what the prefill kept (aah.hf.kept_keys)
         self.store = RingStore(self.windows, num_kv_heads, sinks=sink_tokens, max_len=max_cache_len)
         self.undo: list[list[_Undo]] = [[] for _ in self.store.groups]  # per ring group, oldest first
         self.record_past = False  # transformers' flag: record every write until the next crop
@@ -147,6 +151,7 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         """Forget every token and the batch size (the next update may bring another)."""
         self.store = RingStore(self.windows, self.num_kv_heads, sinks=self.sink_tokens, max_len=self.max_cache_len)
         self.undo = [[] for _ in self.store.groups]
+        self.kept = None
         self.sink_start = None
         self.cumulative_length = 0
         self._crop_floor = 0
@@ -171,6 +176,8 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
                     if getattr(record, name) is not None:
                         setattr(record, name, select(getattr(record, name)))
         self.sink_start = select(self.sink_start)
+        if self.kept is not None:
+            self.kept.select_rows(select)
 
     @property
     def route(self) -> str | None:
@@ -244,7 +251,8 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
             t for group in self.undo for r in group
             for t in (r.old_keys, r.old_values, r.skipped_keys, r.skipped_values) if t is not None
         ]
-        return self.store.memory_bytes() + sum(t.numel() * t.element_size() for t in records)
+        kept = 0 if self.kept is None else self.kept.memory_bytes()
+        return self.store.memory_bytes() + kept + sum(t.numel() * t.element_size() for t in records)
 
     # -- attention ------------------------------------------------------------------------
 
@@ -264,13 +272,51 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
             )
         if attention_mask is not None and self.sink_tokens:
             self._find_sinks(pending.start, attention_mask)
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+
+        def prefill() -> torch.Tensor:
+            out = attend_without_cache(query, pending.keys, pending.values, attention_mask, scaling, spec)
+            if self.kept_keys is not None:
+                out = self._read_tail_and_keep(query, pending.keys, pending.values, attention_mask, scale, spec, out)
+            return out
+
+        kept = self.kept
         return self.store.attend_and_store(
             query, pending.keys, pending.values, pending.start,
-            prefill=lambda: attend_without_cache(query, pending.keys, pending.values, attention_mask, scaling, spec),
-            scale=query.shape[-1] ** -0.5 if scaling is None else scaling,
-            first_real=self.sink_start, key_mask=attention_mask,
+            prefill=prefill, scale=scale, first_real=self.sink_start, key_mask=attention_mask,
             record=self._record if self.crop_limit or self.record_past else None,
+            kept=None if kept is None else (kept.keys, kept.values, kept.valid),
         )
+
+    def _read_tail_and_keep(self, query, keys, values, attention_mask, scale, spec: LayerWindows, out):
+        """The prefill's last rows read every key; each KV head keeps the far keys they read most
+        (:mod:`aah.hf.kept_keys`). Returns ``out`` with those rows replaced."""
+        length = keys.shape[2]
+        tail = min(self.kept_keys.tail_tokens, query.shape[2])
+        visible = visible_keys(query.shape[2], length, attention_mask, query.device)[:, :, -tail:]
+        if spec.layer_window is not None:
+            qpos = torch.arange(length - tail, length, device=query.device)[:, None]
+            visible = visible & (qpos - torch.arange(length, device=query.device)[None, :] < spec.layer_window)
+        tail_out, probs = tail_attention(query[:, :, -tail:], keys, values, visible, scale)
+        out = out.clone()
+        out[:, :, -tail:] = tail_out
+        # Eligible: real keys no window will hold again (before the end less the ring's capacity), not sinks.
+        pos = torch.arange(length, device=query.device)
+        capacity = torch.tensor(kv_capacities(self.windows, self.num_kv_heads, self.max_cache_len), device=query.device)
+        real = visible[:, 0, -1].expand(keys.shape[0], -1)  # (B, T)
+        first = self.sink_start[:, None]
+        sink = (pos[None] >= first) & (pos[None] < first + self.sink_tokens)
+        eligible = (real & ~sink)[:, None, :] & (pos[None, None, :] < length - capacity[None, :, None])
+        positions, valid = choose_kept(
+            probs, self.num_kv_heads, eligible, self.kept_keys.keys_per_head, self.kept_keys.pool_width
+        )
+        index = positions.clamp_min(0)[..., None]
+        self.kept = KeptStore(
+            keys.gather(2, index.expand(-1, -1, -1, keys.shape[-1])).clone(),
+            values.gather(2, index.expand(-1, -1, -1, values.shape[-1])).clone(),
+            positions, valid,
+        )
+        return out
 
     def _find_sinks(self, start: int, attention_mask: torch.Tensor) -> None:
         """Rows with no real token stored yet (all of them in the first call; a row whose earlier
@@ -296,7 +342,7 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         of :func:`aah.decode.ring_decode.decode_block`; ``None`` where the step must take the module
         path (this cache records writes for ``crop``, a row was padded, the positions or the
         windows are not this cache's, no compiled step). ``hidden_states`` (B, 1, d_model)."""
-        if not self.is_initialized or self.crop_limit or self.record_past:
+        if not self.is_initialized or self.crop_limit or self.record_past or self.kept is not None:
             return None
         spec = getattr(attention, SPEC_ATTR, None)
         position, batch = self.cumulative_length, hidden_states.shape[0]
@@ -350,19 +396,24 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         records.append(record)
 
 
-def new_cache(model: torch.nn.Module, *, max_cache_len: int | None = None, crop_limit: int = 0):
+def new_cache(
+    model: torch.nn.Module, *, max_cache_len: int | None = None, crop_limit: int = 0, kept_keys: KeptKeys | None = None
+):
     """A ``transformers.Cache`` of :class:`WindowCacheLayer`, one per layer of a patched model.
 
     Each ring grows with the tokens seen up to its largest window (or ``max_cache_len``, when
     given: a cache that would then lose keys inside a window raises ``ValueError`` instead), so
     windows at or above the context cost what a dynamic cache costs. ``crop_limit`` is how many
-    of the last positions ``crop`` can always take back exactly.
+    of the last positions ``crop`` can always take back exactly. With ``kept_keys`` the prompt's
+    last tokens read every key and each KV head keeps the far keys they read most
+    (:mod:`aah.hf.kept_keys`); later steps then take the ``masked`` route.
     """
     specs = layer_specs(model)
     config = model.config
     num_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     layers = [
-        WindowCacheLayer(spec.windows, spec.sink_tokens, num_kv, max_cache_len=max_cache_len, crop_limit=crop_limit)
+        WindowCacheLayer(spec.windows, spec.sink_tokens, num_kv, max_cache_len=max_cache_len, crop_limit=crop_limit,
+                         kept_keys=kept_keys)
         for spec in specs
     ]
     return _transformers_cache.Cache(layers=layers)

@@ -34,6 +34,7 @@ from ..report.stats import paired_difference
 from ._transformers import require
 from .cache import cache_memory_bytes, cache_route, new_cache
 from .calibration import uniform_window_for_budget
+from .kept_keys import KeptKeys
 from .patching import executed_coverage, layer_sliding_windows, layer_windows_for, patch, unpatch
 
 __all__ = ["Setting", "evaluate_settings", "last_logits", "markdown_table", "perplexity", "summary", "uniform_setting"]
@@ -41,11 +42,13 @@ __all__ = ["Setting", "evaluate_settings", "last_logits", "markdown_table", "per
 
 @dataclass(frozen=True)
 class Setting:
-    """One way to run the model: ``windows`` None means full attention."""
+    """One way to run the model: ``windows`` None means full attention; ``kept_keys`` keeps far
+    keys in the window cache (:mod:`aah.hf.kept_keys`)."""
 
     name: str
     windows: torch.Tensor | None
     sink_tokens: int = 0
+    kept_keys: KeptKeys | None = None
 
     def apply(self, model) -> None:
         if hasattr(model, "_aah_previous_attn_implementation"):
@@ -56,7 +59,7 @@ class Setting:
     def new_cache(self, model):
         if self.windows is None:
             return require("transformers.cache_utils").DynamicCache(config=model.config)
-        return new_cache(model)
+        return new_cache(model, kept_keys=self.kept_keys)
 
 
 @torch.no_grad()
@@ -176,7 +179,7 @@ def uniform_setting(model, aah: Setting, seq_len: int) -> Setting:
     window = uniform_window_for_budget(
         coverage, seq_len, sink_tokens=aah.sink_tokens, layer_windows=layer_sliding_windows(model)
     )
-    return Setting("uniform", torch.full_like(aah.windows, window), aah.sink_tokens)
+    return Setting("uniform", torch.full_like(aah.windows, window), aah.sink_tokens, aah.kept_keys)
 
 
 def summary(results: dict[str, dict]) -> dict:

@@ -45,6 +45,14 @@ def add_command(subparsers) -> None:
     p.add_argument("--sink-tokens", type=int, metavar="N",
                    help="sink tokens of the aah and uniform settings instead of the windows file's: the first N "
                         "prompt tokens stay visible to every head (for example a task instruction at the start)")
+    p.add_argument("--tail-tokens", type=int, metavar="N",
+                   help="with --kept-keys: the last N prompt tokens of the aah and uniform settings read every "
+                        "earlier key (ours, docs/hf.md 'Kept keys')")
+    p.add_argument("--kept-keys", type=int, metavar="K",
+                   help="with --tail-tokens: each KV head keeps in its cache the K far keys those tokens read most "
+                        "(scores max-pooled over --kept-pool neighbouring positions)")
+    p.add_argument("--kept-pool", type=int, default=7, metavar="P",
+                   help="with --kept-keys: odd width of the max-pooling of the key scores (default 7; 1: none)")
     p.add_argument("--answers", metavar="FILE",
                    help="keep every answer in FILE (JSON lines) as it is decoded and reuse those already there: "
                         "a stopped run resumes where it stopped")
@@ -81,6 +89,7 @@ def _retrieval(args: argparse.Namespace) -> int:
     if args.sink_tokens is not None and args.sink_tokens < 0:
         raise CLIError(f"--sink-tokens must be >= 0, got {args.sink_tokens}")
     lengths = _numbers("--lengths", args.lengths, int, lambda n: n >= 2, "lengths >= 2")
+    kept = _kept_keys(args.tail_tokens, args.kept_keys, args.kept_pool)
 
     from .evaluate import Setting, uniform_setting
     from .retrieval import build_samples
@@ -109,11 +118,13 @@ def _retrieval(args: argparse.Namespace) -> int:
     model = load_model()
     file_sinks = int(meta["sink_tokens"])
     sinks = file_sinks if args.sink_tokens is None else args.sink_tokens
-    aah = Setting("aah", windows, sinks)
+    aah = Setting("aah", windows, sinks, kept)
     journal = None
     if args.answers:
         model_tag = hashlib.sha256(str(Path(args.model_dir).resolve()).encode()).hexdigest()[:16]
         override = b"" if sinks == file_sinks else f"|sinks{sinks}".encode()
+        if kept is not None:
+            override += f"|tail{kept.tail_tokens}|kept{kept.keys_per_head}|pool{kept.pool_width}".encode()
         windows_tag = hashlib.sha256(Path(args.windows).read_bytes() + override).hexdigest()[:16]
         journal = AnswerJournal(args.answers, model_tag, windows_tag)
     outputs: dict[str, list[str]] = {name: [] for name in wanted}
@@ -135,6 +146,9 @@ def _retrieval(args: argparse.Namespace) -> int:
             "model": meta["model"], "windows_file": str(args.windows), "policy": meta["policy"],
             "sink_tokens": aah.sink_tokens, "tasks": tasks, "lengths": lengths, "depths": depths,
             "trials": args.trials, "seed": args.seed, "settings": wanted,
+            "tail_tokens": None if kept is None else kept.tail_tokens,
+            "kept_keys": None if kept is None else kept.keys_per_head,
+            "kept_pool": None if kept is None else kept.pool_width,
         },
         "settings": facts,
         "results": results,
@@ -154,6 +168,22 @@ def _retrieval(args: argparse.Namespace) -> int:
     if args.heatmap:
         draw_heatmaps(results, args.heatmap)
     return 0
+
+
+def _kept_keys(tail_tokens: int | None, kept_keys: int | None, pool: int):
+    """The :class:`aah.hf.kept_keys.KeptKeys` of the flags (the first two both or neither), or ``None``."""
+    if tail_tokens is None and kept_keys is None:
+        return None
+    if tail_tokens is None or kept_keys is None:
+        raise CLIError("--tail-tokens and --kept-keys go together: give both or neither")
+    from .kept_keys import KeptKeys
+
+    for flag, value in (("--tail-tokens", tail_tokens), ("--kept-keys", kept_keys), ("--kept-pool", pool)):
+        if value < 1:
+            raise CLIError(f"{flag} must be >= 1, got {value}")
+    if pool % 2 == 0:
+        raise CLIError(f"--kept-pool must be odd, got {pool}")
+    return KeptKeys(tail_tokens, kept_keys, pool)
 
 
 def _table(results: dict, facts: dict, lengths: list[int]) -> str:

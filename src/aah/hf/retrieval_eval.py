@@ -27,7 +27,8 @@ import torch
 from tqdm.auto import tqdm
 
 from .evaluate import Setting, last_logits
-from .patching import executed_coverage
+from .kept_keys import kept_coverage
+from .patching import executed_coverage, layer_specs
 from .retrieval import Sample, is_correct
 
 __all__ = ["AnswerJournal", "wilson_interval", "generate_answers", "run_settings", "score", "draw_heatmaps",
@@ -169,12 +170,16 @@ def score(samples: Sequence[Sample], outputs: dict[str, list[str]]) -> dict[str,
 
 
 def setting_facts(model, setting: Setting, seq_len: int) -> dict:
-    """``acr``, ``causal_coverage`` (as the layers run them at ``seq_len``) and the uniform ``window``."""
+    """``acr``, ``causal_coverage`` (as the layers run them at ``seq_len``; with kept keys, counting
+    the keys kept and the tail rows, :func:`aah.hf.kept_keys.kept_coverage`) and the uniform ``window``."""
     if setting.windows is None:
         return {"acr": 1.0, "causal_coverage": 1.0, "window": None}
     setting.apply(model)
     try:
-        acr, coverage = executed_coverage(model, seq_len)
+        if setting.kept_keys is None:
+            acr, coverage = executed_coverage(model, seq_len)
+        else:
+            acr, coverage = kept_coverage(layer_specs(model), seq_len, setting.kept_keys)
     finally:
         Setting("full", None).apply(model)
     uniform = setting.windows.unique()

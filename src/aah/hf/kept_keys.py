@@ -1,0 +1,146 @@
+"""Kept keys: the far keys a prompt's last tokens attend to stay in the window cache (ours).
+
+Windows cut what lies far back, and a fact buried early in a long prompt is then out of every
+short head's reach when the question comes (docs/hf.md, "Retrieval-preserving windows"). At
+the end of a windowed prefill this asks the prompt itself which far keys matter, as SnapKV
+does for a full prefill:
+
+* the last ``tail_tokens`` prompt positions (where the question sits) attend to **every**
+  earlier key in every head (within a layer's own sliding window), not only to their windows
+  and sinks; their outputs replace the windowed ones;
+* from those rows' attention probabilities, summed over the tail rows and over the query heads
+  that read one KV head, then max-pooled over ``pool_width`` neighbouring positions (so a key
+  next to one the question reads is kept with it: copying a number digit by digit reads each
+  digit's neighbours, as SnapKV's pooling keeps them), each KV head keeps its ``keys_per_head``
+  highest-scoring keys among those no window will ever hold again (positions before the end
+  of the prompt less the ring's capacity, sinks excluded);
+* every later query of every head reading that KV head sees the kept keys besides its window
+  and sinks; no key is counted twice, since a kept key lies outside every window from then on.
+
+KV memory grows by ``keys_per_head`` keys per KV head (``keys_per_head / T`` of a full cache),
+and the prefill's causal coverage by the tail rows' extra pairs (:func:`tail_coverage_pairs`);
+both are reported beside the windows' own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..windows import acr, causal_pairs
+
+__all__ = ["KeptKeys", "KeptStore", "choose_kept", "kept_coverage", "tail_attention", "tail_coverage_pairs"]
+
+
+@dataclass(frozen=True)
+class KeptKeys:
+    """How many prompt positions read everything (``tail_tokens``), how many far keys each KV
+    head keeps from their reading (``keys_per_head``) and over how many neighbouring positions
+    a key's score is max-pooled (``pool_width``, odd; 1: no pooling)."""
+
+    tail_tokens: int
+    keys_per_head: int
+    pool_width: int = 7
+
+    def __post_init__(self) -> None:
+        for name in ("tail_tokens", "keys_per_head", "pool_width"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"kept keys: {name} must be an integer >= 1, got {value!r}")
+        if self.pool_width % 2 == 0:
+            raise ValueError(f"kept keys: pool_width must be odd, got {self.pool_width}")
+
+
+@dataclass
+class KeptStore:
+    """The keys one layer keeps: (B, KV heads, K, D) keys and values, their positions and which of
+    the K slots hold a key (a row with fewer far keys than K leaves some empty)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor  # (B, KV, K), -1 where empty
+    valid: torch.Tensor  # (B, KV, K) bool
+
+    def select_rows(self, select: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        for name in ("keys", "values", "positions", "valid"):
+            setattr(self, name, select(getattr(self, name)))
+
+    def memory_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+
+
+def tail_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention of the last ``n`` query rows over every key they may see.
+
+    ``query`` (B, H, n, D) holds those rows, ``key``/``value`` (B, H_kv, T, D) every key,
+    ``visible`` (B or 1, 1, n, T) the causal, padding and sliding-window mask of those rows.
+    Returns the output (B, H, n, D_v) in the query's dtype and the probabilities (B, H, n, T)
+    in float32.
+    """
+    repeat = query.shape[1] // key.shape[1]
+    k = key.float().repeat_interleave(repeat, dim=1)
+    v = value.float().repeat_interleave(repeat, dim=1)
+    scores = torch.matmul(query.float(), k.transpose(-1, -2)) * scale
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
+    return torch.matmul(probs, v).to(query.dtype), probs
+
+
+def choose_kept(
+    probs: torch.Tensor, num_kv_heads: int, eligible: torch.Tensor, count: int, pool_width: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``count`` eligible positions with the most attention per (row, KV head).
+
+    ``probs`` (B, H, n, T) from :func:`tail_attention`; ``eligible`` (B, H_kv, T) bool. The score
+    of a position is its probability summed over the tail rows and the query heads reading the
+    KV head, then the largest such sum within ``pool_width // 2`` positions of it. Returns
+    positions (B, H_kv, count) in increasing order and whether each holds an eligible key (a row
+    with fewer than ``count`` eligible keys leaves the rest empty, -1); equal scores go to the
+    earlier position.
+    """
+    batch, heads, _, length = probs.shape
+    score = probs.sum(2).view(batch, num_kv_heads, heads // num_kv_heads, length).sum(2)
+    if pool_width > 1:
+        flat = score.reshape(batch * num_kv_heads, 1, length)
+        score = F.max_pool1d(flat, pool_width, stride=1, padding=pool_width // 2).view(batch, num_kv_heads, length)
+    score = score.masked_fill(~eligible, float("-inf"))
+    # A stable sort breaks ties (pooling makes them) toward the earlier position.
+    values, indices = score.sort(dim=-1, descending=True, stable=True)
+    values, indices = values[..., :count], indices[..., :count]
+    valid = torch.isfinite(values)
+    positions = torch.where(valid, indices, torch.full_like(indices, length))
+    positions, order = positions.sort(dim=-1)
+    valid = valid.gather(-1, order)
+    return torch.where(valid, positions, torch.full_like(positions, -1)), valid
+
+
+def tail_coverage_pairs(
+    windows: Sequence[int], sink_tokens: int, seq_len: int, tail_tokens: int, layer_window: int | None = None
+) -> int:
+    """(query, key) pairs the last ``tail_tokens`` rows of a ``seq_len`` prompt read beyond the
+    windows and sinks of the heads ``windows``: those rows read every earlier key instead (within
+    ``layer_window``, a layer's own sliding window, where it has one)."""
+    extra = 0
+    for window in windows:
+        for q in range(max(0, seq_len - tail_tokens), seq_len):
+            reach = q + 1 if layer_window is None else min(q + 1, layer_window)
+            seen = min(q + 1, window) + (min(sink_tokens, q + 1 - window) if q + 1 > window else 0)
+            extra += max(0, reach - seen)
+    return extra
+
+
+def kept_coverage(specs: Sequence, seq_len: int, kept: KeptKeys) -> tuple[float, float]:
+    """ACR and causal coverage of a ``seq_len`` prompt read with ``kept`` over the layers' windows
+    ``specs`` (:class:`aah.hf.patching.LayerWindows`): each head holds its window, its sinks and
+    ``keys_per_head`` kept keys (capped at T), and the tail rows read every earlier key."""
+    heads = sum(len(spec.windows) for spec in specs)
+    ratio = sum(acr(spec.windows, seq_len, sink_tokens=spec.sink_tokens + kept.keys_per_head) * len(spec.windows)
+                for spec in specs)
+    pairs = sum(causal_pairs(w, seq_len, sink_tokens=spec.sink_tokens) for spec in specs for w in spec.windows)
+    pairs += sum(tail_coverage_pairs(spec.windows, spec.sink_tokens, seq_len, kept.tail_tokens, spec.layer_window)
+                 for spec in specs)
+    return ratio / heads, pairs / (seq_len * (seq_len + 1) // 2 * heads)

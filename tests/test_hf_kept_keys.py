@@ -1,0 +1,200 @@
+"""Kept keys (aah.hf.kept_keys): a windowed prefill whose last tokens read everything, and far keys
+kept for decoding, against a float64 reference that applies the rule of the module docstring."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from aah import hf  # noqa: E402
+from aah.hf.kept_keys import KeptKeys, choose_kept, kept_coverage, tail_coverage_pairs  # noqa: E402
+from aah.hf.patching import layer_specs  # noqa: E402
+from aah.windows import causal_coverage  # noqa: E402
+
+VOCAB = 97
+REFERENCE = "kept_keys_reference"
+
+
+def _llama(heads: int, kv_heads: int, layers: int = 2):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=8 * heads, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=8,
+        max_position_embeddings=256, attn_implementation="sdpa", eos_token_id=None, bos_token_id=None,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _ids(length: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+class Reference:
+    """Whole-sequence attention with the kept-keys rule written out: rows before the prompt's
+    tail see their window and the first ``sinks`` positions; the tail's rows see every earlier
+    key; each KV head keeps the ``count`` positions (before the prompt's end less the largest
+    window of its query heads, not sinks) with the most tail attention, summed over tail rows
+    and its query heads, then maximised over the ``pool // 2`` positions on either side; later
+    rows see their window, the sinks and those positions."""
+
+    def __init__(self, windows, sinks: int, prompt_len: int, tail: int, count: int, pool: int):
+        self.windows, self.sinks, self.prompt_len, self.tail, self.count = windows, sinks, prompt_len, tail, count
+        self.pool = pool
+        self.kept: dict[int, list[list[int]]] = {}
+
+    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        heads, kv_heads, length = query.shape[1], key.shape[1], query.shape[2]
+        rep = heads // kv_heads
+        q = query[0].double()
+        k = key[0].double().repeat_interleave(rep, 0)
+        v = value[0].double().repeat_interleave(rep, 0)
+        scores = q @ k.transpose(-1, -2) * scaling
+        pos = torch.arange(length)
+        qpos, kpos = pos[:, None], pos[None, :]
+        causal = kpos <= qpos
+        windows = self.windows[module.layer_idx]
+        end, first_tail = self.prompt_len, self.prompt_len - self.tail
+        kept_here = []
+        allowed = torch.zeros(heads, length, length, dtype=torch.bool)
+        tail_probs = torch.softmax(scores[:, first_tail:end, :end].masked_fill(~causal[first_tail:end, :end], -torch.inf), -1)
+        for j in range(kv_heads):
+            group = range(j * rep, (j + 1) * rep)
+            summed = tail_probs[list(group)].sum((0, 1))
+            r = self.pool // 2
+            score = [float(summed[max(0, p - r):p + r + 1].max()) for p in range(end)]
+            reach = max(windows[h] for h in group)
+            eligible = [p for p in range(end) if p < end - reach and p >= self.sinks]
+            ranked = sorted(eligible, key=lambda p: -score[p])[: self.count]
+            kept_here.append(sorted(ranked))
+            for h in group:
+                rule = causal & ((qpos - kpos < windows[h]) | (kpos < self.sinks))
+                rule[first_tail:end] = causal[first_tail:end]
+                later = rule[end:]
+                later[:, ranked] = True
+                allowed[h] = rule
+        self.kept[module.layer_idx] = kept_here
+        probs = torch.softmax(scores.masked_fill(~allowed, -torch.inf), -1)
+        return (probs @ v).to(query.dtype)[None].transpose(1, 2).contiguous(), None
+
+
+CASES = {
+    # name: (heads, kv heads, windows per layer, sinks, prompt length, tail, kept per KV head, pool)
+    "gqa_kv_group_with_sinks": (4, 2, [[3, 3, 5, 5], [4, 4, 2, 2]], 2, 24, 4, 3, 1),
+    "gqa_pooled_neighbours": (4, 2, [[3, 3, 5, 5], [4, 4, 2, 2]], 2, 30, 4, 5, 3),
+    "mha_mixed_no_sinks": (4, 4, [[3, 5, 2, 6], [2, 2, 4, 3]], 0, 20, 3, 2, 5),
+    "more_kept_than_far_keys": (4, 2, [[6, 6, 9, 9], [8, 8, 8, 8]], 1, 14, 2, 8, 1),
+}
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kept_keys_decoding_equals_the_reference(case):
+    heads, kv_heads, windows, sinks, prompt_len, tail, count, pool = CASES[case]
+    model = _llama(heads, kv_heads)
+    hf.patch(model, torch.tensor(windows), sink_tokens=sinks)
+    prompt = _ids(prompt_len, seed=3)
+    cache = hf.new_cache(model, kept_keys=KeptKeys(tail, count, pool))
+    plain = hf.new_cache(model)
+    logits = model(prompt, past_key_values=cache, use_cache=True).logits[0]
+    plain_logits = model(prompt, past_key_values=plain, use_cache=True).logits[0, -1]
+    tokens, steps = [prompt], [logits[-1]]
+    for _ in range(6):
+        nxt = steps[-1].argmax()[None, None]
+        tokens.append(nxt)
+        steps.append(model(nxt, past_key_values=cache, use_cache=True).logits[0, -1])
+    seq = torch.cat(tokens, dim=1)
+
+    reference = Reference(windows, sinks, prompt_len, tail, count, pool)
+    transformers.AttentionInterface.register(REFERENCE, reference)
+    transformers.masking_utils.AttentionMaskInterface.register(REFERENCE, transformers.masking_utils.sdpa_mask)
+    model.set_attn_implementation(REFERENCE)
+    try:
+        expected = model(seq, use_cache=False).logits[0]
+    finally:
+        model.set_attn_implementation(hf.patching.AAH_IMPLEMENTATION)
+    torch.testing.assert_close(logits, expected[:prompt_len], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(torch.stack(steps[1:]), expected[prompt_len:], atol=2e-5, rtol=1e-4)
+    for layer, cache_layer in enumerate(cache.layers):
+        positions = [[p for p, ok in zip(row.tolist(), valid.tolist()) if ok]
+                     for row, valid in zip(cache_layer.kept.positions[0], cache_layer.kept.valid[0])]
+        assert positions == reference.kept[layer]
+        assert all(len(row) == min(count, len(row)) for row in positions) and any(positions)
+    # The tail changes what the prompt's last token predicts: the rule is not vacuous here.
+    assert not torch.allclose(logits[-1], plain_logits, atol=1e-4)
+
+
+@torch.no_grad()
+def test_kept_keys_add_their_bytes_and_take_the_masked_route():
+    model = _llama(4, 2)
+    hf.patch(model, torch.tensor([[3, 3, 5, 5], [4, 4, 2, 2]]), sink_tokens=2)
+    prompt = _ids(24, seed=4)
+    kept, plain = hf.new_cache(model, kept_keys=KeptKeys(4, 3)), hf.new_cache(model)
+    for cache in (kept, plain):
+        model(prompt, past_key_values=cache, use_cache=True)
+        model(prompt[:, -1:], past_key_values=cache, use_cache=True)
+    # 2 layers x (keys + values) x 2 KV heads x 3 kept x head_dim 8 x 4 bytes
+    assert hf.cache_memory_bytes(kept) - hf.cache_memory_bytes(plain) == 2 * 2 * 2 * 3 * 8 * 4
+    assert hf.cache_route(kept) == "masked"
+
+
+@torch.no_grad()
+def test_left_padded_rows_keep_what_each_prompt_keeps_alone():
+    model = _llama(4, 2)
+    hf.patch(model, torch.tensor([[3, 3, 5, 5], [4, 4, 2, 2]]), sink_tokens=2)
+    spec = KeptKeys(3, 2)
+    long_prompt, short_prompt = _ids(18, seed=5), _ids(13, seed=6)
+    batch = torch.cat([long_prompt, torch.cat([torch.zeros(1, 5, dtype=torch.long), short_prompt], 1)])
+    mask = torch.ones_like(batch)
+    mask[1, :5] = 0
+    out = model.generate(batch, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                         past_key_values=hf.new_cache(model, kept_keys=spec))
+    for row, prompt, pad in ((0, long_prompt, 0), (1, short_prompt, 5)):
+        alone = model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                               past_key_values=hf.new_cache(model, kept_keys=spec))
+        assert torch.equal(out[row, pad:], alone[0])
+
+
+def test_choose_kept_ranks_by_summed_attention_and_leaves_empty_slots():
+    # One row, 2 query heads reading 1 KV head, 2 tail rows, 6 keys.
+    probs = torch.zeros(1, 2, 2, 6)
+    probs[0, 0, 0] = torch.tensor([0.1, 0.5, 0.0, 0.2, 0.2, 0.0])
+    probs[0, 1, 1] = torch.tensor([0.0, 0.0, 0.6, 0.1, 0.3, 0.0])
+    eligible = torch.tensor([[[True, True, False, True, True, False]]])
+    positions, valid = choose_kept(probs, 1, eligible, 3)
+    # Summed scores: 0.1, 0.5, (0.6 not eligible), 0.3, 0.5, 0: the three best eligible, in order.
+    assert positions.tolist() == [[[1, 3, 4]]] and valid.all()
+    positions, valid = choose_kept(probs, 1, eligible, 5)
+    assert positions.tolist() == [[[0, 1, 3, 4, -1]]] and valid.tolist() == [[[True] * 4 + [False]]]
+    # Pooled over 3: 0.5, 0.6, 0.6, 0.6, 0.5, 0.5; position 3 takes its neighbour 2's 0.6.
+    positions, _ = choose_kept(probs, 1, eligible, 2, pool_width=3)
+    assert positions.tolist() == [[[1, 3]]]
+    # Positions 0 and 4 tie at 0.5: the earlier one is kept.
+    positions, _ = choose_kept(probs, 1, eligible, 3, pool_width=3)
+    assert positions.tolist() == [[[0, 1, 3]]]
+
+
+def test_tail_pairs_and_coverage_by_hand():
+    # Window 4, 1 sink, T = 10, tail 2: rows 8 and 9 would see 4 + 1 keys; they see 9 and 10.
+    assert tail_coverage_pairs([4], 1, 10, 2) == (9 - 5) + (10 - 5)
+    # A layer's own sliding window of 6 caps what the tail rows read: 6 each, 1 more than 5.
+    assert tail_coverage_pairs([4], 0, 10, 2, layer_window=6) == 2 * (6 - 4)
+    model = _llama(4, 2)
+    hf.patch(model, torch.tensor([[3, 3, 5, 5], [4, 4, 2, 2]]), sink_tokens=1)
+    acr, coverage = kept_coverage(layer_specs(model), 32, KeptKeys(4, 3))
+    windows = [3, 3, 5, 5, 4, 4, 2, 2]
+    base = causal_coverage(torch.tensor(windows), 32, sink_tokens=1)
+    extra = sum(tail_coverage_pairs([w], 1, 32, 4) for w in windows) / (32 * 33 / 2 * 8)
+    assert coverage == pytest.approx(base + extra)
+    assert acr == pytest.approx(sum(w + 1 + 3 for w in windows) / (8 * 32))
+
+
+@pytest.mark.parametrize("bad, name", [
+    ({"tail_tokens": 0, "keys_per_head": 3}, "tail_tokens"),
+    ({"tail_tokens": 2, "keys_per_head": -1}, "keys_per_head"),
+    ({"tail_tokens": 2, "keys_per_head": 3, "pool_width": 4}, "pool_width must be odd"),
+])
+def test_kept_keys_refuse_bad_sizes(bad, name):
+    with pytest.raises(ValueError, match=name):
+        KeptKeys(**bad)
