@@ -43,6 +43,7 @@ class Reference:
         self.windows, self.sinks, self.prompt_len, self.tail, self.count = windows, sinks, prompt_len, tail, count
         self.pool = pool
         self.kept: dict[int, list[list[int]]] = {}
+        self.eligible: dict[int, list[int]] = {}
 
     def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         heads, kv_heads, length = query.shape[1], key.shape[1], query.shape[2]
@@ -57,17 +58,22 @@ class Reference:
         windows = self.windows[module.layer_idx]
         end, first_tail = self.prompt_len, self.prompt_len - self.tail
         kept_here = []
+        self.eligible[module.layer_idx] = []
         allowed = torch.zeros(heads, length, length, dtype=torch.bool)
         tail_probs = torch.softmax(scores[:, first_tail:end, :end].masked_fill(~causal[first_tail:end, :end], -torch.inf), -1)
         for j in range(kv_heads):
             group = range(j * rep, (j + 1) * rep)
             summed = tail_probs[list(group)].sum((0, 1))
+            summed[: self.sinks] = 0.0  # the sinks lend no score to their neighbours
             r = self.pool // 2
             score = [float(summed[max(0, p - r):p + r + 1].max()) for p in range(end)]
+            # A later query at position >= end reads keys after q - window: position end - reach
+            # is the last one no window of the group reads again.
             reach = max(windows[h] for h in group)
-            eligible = [p for p in range(end) if p < end - reach and p >= self.sinks]
+            eligible = [p for p in range(end) if p <= end - reach and p >= self.sinks]
             ranked = sorted(eligible, key=lambda p: -score[p])[: self.count]
             kept_here.append(sorted(ranked))
+            self.eligible[module.layer_idx].append(len(eligible))
             for h in group:
                 rule = causal & ((qpos - kpos < windows[h]) | (kpos < self.sinks))
                 rule[first_tail:end] = causal[first_tail:end]
@@ -120,7 +126,8 @@ def test_kept_keys_decoding_equals_the_reference(case):
         positions = [[p for p, ok in zip(row.tolist(), valid.tolist()) if ok]
                      for row, valid in zip(cache_layer.kept.positions[0], cache_layer.kept.valid[0])]
         assert positions == reference.kept[layer]
-        assert all(len(row) == min(count, len(row)) for row in positions) and any(positions)
+        assert [len(row) for row in positions] == [min(count, n) for n in reference.eligible[layer]]
+        assert any(positions)
     # The tail changes what the prompt's last token predicts: the rule is not vacuous here.
     assert not torch.allclose(logits[-1], plain_logits, atol=1e-4)
 
@@ -156,6 +163,45 @@ def test_left_padded_rows_keep_what_each_prompt_keeps_alone():
         assert torch.equal(out[row, pad:], alone[0])
 
 
+@torch.no_grad()
+def test_a_crop_back_into_the_prompt_drops_the_keys_windows_reach_again():
+    model = _llama(4, 2)
+    hf.patch(model, torch.tensor([[3, 3, 5, 5], [4, 4, 2, 2]]), sink_tokens=1)
+    cache = hf.new_cache(model, crop_limit=6, kept_keys=KeptKeys(3, 30))
+    model(_ids(24, seed=8), past_key_values=cache, use_cache=True)
+    before = [layer.kept.valid.clone() for layer in cache.layers]
+    cache.crop(-4)  # back to 20 positions: later windows of up to 5 reach position 16 again
+    for layer, valid in zip(cache.layers, before):
+        capacity = torch.tensor([max(layer.windows[:2]), max(layer.windows[2:])])
+        kept = layer.kept.positions[layer.kept.valid]
+        heads = torch.nonzero(layer.kept.valid)[:, 1]
+        assert bool((kept <= 20 - capacity[heads]).all())
+        # Every key a window no longer reaches is still there; the others are gone.
+        assert int(layer.kept.valid.sum()) == int((valid & (layer.kept.positions <= 20 - capacity[None, :, None])).sum())
+        assert int(layer.kept.valid.sum()) < int(valid.sum())
+
+
+@torch.no_grad()
+def test_a_layer_with_its_own_sliding_window_keeps_no_keys():
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, sliding_window=8,
+        attn_implementation="sdpa", eos_token_id=None, bos_token_id=None,
+    )
+    model = transformers.MistralForCausalLM(config).eval()
+    hf.patch(model, torch.tensor([[3, 3, 5, 5], [4, 4, 2, 2]]), sink_tokens=0)
+    cache, plain = hf.new_cache(model, kept_keys=KeptKeys(3, 4)), hf.new_cache(model)
+    prompt = _ids(24, seed=9)
+    model(prompt, past_key_values=cache, use_cache=True)
+    model(prompt, past_key_values=plain, use_cache=True)
+    assert all(layer.kept is None for layer in cache.layers)
+    assert hf.cache_memory_bytes(cache) == hf.cache_memory_bytes(plain)
+    acr, _ = kept_coverage(layer_specs(model), 24, KeptKeys(3, 4), 2)
+    windows = [3, 3, 5, 5, 4, 4, 2, 2]
+    assert acr == pytest.approx(sum(windows) / (8 * 24))
+
+
 def test_choose_kept_ranks_by_summed_attention_and_leaves_empty_slots():
     # One row, 2 query heads reading 1 KV head, 2 tail rows, 6 keys.
     probs = torch.zeros(1, 2, 2, 6)
@@ -182,12 +228,16 @@ def test_tail_pairs_and_coverage_by_hand():
     assert tail_coverage_pairs([4], 0, 10, 2, layer_window=6) == 2 * (6 - 4)
     model = _llama(4, 2)
     hf.patch(model, torch.tensor([[3, 3, 5, 5], [4, 4, 2, 2]]), sink_tokens=1)
-    acr, coverage = kept_coverage(layer_specs(model), 32, KeptKeys(4, 3))
+    acr, coverage = kept_coverage(layer_specs(model), 32, KeptKeys(4, 3), 2)
     windows = [3, 3, 5, 5, 4, 4, 2, 2]
     base = causal_coverage(torch.tensor(windows), 32, sink_tokens=1)
     extra = sum(tail_coverage_pairs([w], 1, 32, 4) for w in windows) / (32 * 33 / 2 * 8)
     assert coverage == pytest.approx(base + extra)
     assert acr == pytest.approx(sum(w + 1 + 3 for w in windows) / (8 * 32))
+    # Few far keys: at T = 8 a group with windows 5 has positions 1..3 (8 - 5, past the sink) to keep.
+    acr, _ = kept_coverage(layer_specs(model), 8, KeptKeys(2, 6), 2)
+    held = [3 + 1 + 4, 3 + 1 + 4, 5 + 1 + 3, 5 + 1 + 3, 4 + 1 + 4, 4 + 1 + 4, 2 + 1 + 6, 2 + 1 + 6]
+    assert acr == pytest.approx(sum(min(h, 8) for h in held) / (8 * 8))
 
 
 @pytest.mark.parametrize("bad, name", [

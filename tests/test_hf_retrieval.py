@@ -278,7 +278,7 @@ def test_retrieval_kept_keys_are_reported_and_are_another_run(model_dir, tmp_pat
     """--tail-tokens/--kept-keys: the config and the per-setting facts say what ran (the tail's pairs
     in the causal coverage, the kept keys in the ACR), and the journal keeps their answers apart."""
     from aah.hf import retrieval_eval
-    from aah.hf.kept_keys import KeptKeys, kept_coverage
+    from aah.hf.kept_keys import KeptKeys, kept_coverage, kv_heads
     from aah.hf.patching import layer_windows_for
 
     out, journal = tmp_path / "r.json", tmp_path / "answers.jsonl"
@@ -294,7 +294,7 @@ def test_retrieval_kept_keys_are_reported_and_are_another_run(model_dir, tmp_pat
     assert plain["config"]["tail_tokens"] is None
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir / "model")
     windows = load_windows(model_dir / "w.safetensors")[0]
-    expected = kept_coverage(layer_windows_for(model, windows, 4), 400, KeptKeys(8, 16, 3))
+    expected = kept_coverage(layer_windows_for(model, windows, 4), 400, KeptKeys(8, 16, 3), kv_heads(model))
     facts = kept["settings"]["aah"]["400"]
     assert (facts["acr"], facts["causal_coverage"]) == pytest.approx(expected)
     assert facts["causal_coverage"] > plain["settings"]["aah"]["400"]["causal_coverage"]
@@ -327,6 +327,7 @@ def test_retrieval_command_refuses_bad_input(model_dir, capsys):
     assert "--trials must be >= 1" in _error([*base, "--lengths", "400", "--trials", "0"], capsys)
     assert "--sink-tokens must be >= 0" in _error([*base, "--lengths", "400", "--sink-tokens", "-1"], capsys)
     assert "go together" in _error([*base, "--lengths", "400", "--kept-keys", "16"], capsys)
+    assert "--kept-pool needs" in _error([*base, "--lengths", "400", "--kept-pool", "3"], capsys)
     assert "--tail-tokens must be >= 1" in _error([*base, "--lengths", "400", "--tail-tokens", "0", "--kept-keys", "4"],
                                                   capsys)
     assert "--kept-pool must be odd" in _error([*base, "--lengths", "400", "--tail-tokens", "4", "--kept-keys", "4",

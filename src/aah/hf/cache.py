@@ -43,7 +43,7 @@ import torch
 
 from ..decode.rings import RingGroup, RingStore, joined_route, kv_capacities
 from ._transformers import require
-from .kept_keys import KeptKeys, KeptStore, choose_kept, tail_attention
+from .kept_keys import KeptKeys, KeptStore, choose_kept, kv_heads, tail_attention
 from .patching import SPEC_ATTR, LayerWindows, attend_without_cache, layer_specs, visible_keys
 from .windowed_kv import Pending, WindowedKV
 
@@ -218,6 +218,11 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
             )
         for g, records in zip(self.store.groups, self.undo):
             self._undo_to(g, records, target)
+        if self.kept is not None:
+            # A crop back into the prefill brings later windows back over positions kept from it.
+            capacity = torch.tensor(kv_capacities(self.windows, self.num_kv_heads, self.max_cache_len),
+                                    device=self.kept.positions.device)
+            self.kept.valid &= self.kept.positions <= target - capacity[None, :, None]
         self.cumulative_length = target
 
     def _undo_to(self, g: RingGroup, records: list[_Undo], target: int) -> None:
@@ -300,13 +305,18 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         tail_out, probs = tail_attention(query[:, :, -tail:], keys, values, visible, scale)
         out = out.clone()
         out[:, :, -tail:] = tail_out
-        # Eligible: real keys no window will hold again (before the end less the ring's capacity), not sinks.
+        if spec.layer_window is not None:
+            return out  # a layer with its own sliding window must not read far keys later: it keeps none
+        # Eligible: real keys, not sinks, that no window will read again (the ring holds the last
+        # C positions; a later query's window of at most C reaches back to length - C + 1).
         pos = torch.arange(length, device=query.device)
         capacity = torch.tensor(kv_capacities(self.windows, self.num_kv_heads, self.max_cache_len), device=query.device)
         real = visible[:, 0, -1].expand(keys.shape[0], -1)  # (B, T)
         first = self.sink_start[:, None]
         sink = (pos[None] >= first) & (pos[None] < first + self.sink_tokens)
-        eligible = (real & ~sink)[:, None, :] & (pos[None, None, :] < length - capacity[None, :, None])
+        eligible = (real & ~sink)[:, None, :] & (pos[None, None, :] <= length - capacity[None, :, None])
+        # The sinks' large attention must not lend its score to their neighbours through the pooling.
+        probs = probs.masked_fill(sink[:, None, None, :], 0.0)
         positions, valid = choose_kept(
             probs, self.num_kv_heads, eligible, self.kept_keys.keys_per_head, self.kept_keys.pool_width
         )
@@ -409,8 +419,7 @@ def new_cache(
     (:mod:`aah.hf.kept_keys`); later steps then take the ``masked`` route.
     """
     specs = layer_specs(model)
-    config = model.config
-    num_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    num_kv = kv_heads(model)
     layers = [
         WindowCacheLayer(spec.windows, spec.sink_tokens, num_kv, max_cache_len=max_cache_len, crop_limit=crop_limit,
                          kept_keys=kept_keys)

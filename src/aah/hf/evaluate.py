@@ -34,8 +34,15 @@ from ..report.stats import paired_difference
 from ._transformers import require
 from .cache import cache_memory_bytes, cache_route, new_cache
 from .calibration import uniform_window_for_budget
-from .kept_keys import KeptKeys
-from .patching import executed_coverage, layer_sliding_windows, layer_windows_for, patch, unpatch
+from .kept_keys import KeptKeys, kept_coverage, kv_heads
+from .patching import (
+    executed_coverage,
+    layer_sliding_windows,
+    layer_specs,
+    layer_windows_for,
+    patch,
+    unpatch,
+)
 
 __all__ = ["Setting", "evaluate_settings", "last_logits", "markdown_table", "perplexity", "summary", "uniform_setting"]
 
@@ -116,7 +123,9 @@ def evaluate_settings(
     progress: bool = True,
 ) -> dict[str, dict]:
     """Per-setting ``ppl``, ``prefill_tok_s``, ``decode_tok_s``, ``decode_route``, ``kv_bytes``, ``acr``,
-    ``causal_coverage``."""
+    ``causal_coverage``. A setting's kept keys (:mod:`aah.hf.kept_keys`) count in its ACR, causal
+    coverage, timings and KV bytes; its perplexity reads the blocks without a cache, so with the
+    windows alone."""
     seq_len = blocks.shape[1]
     if new_tokens < 1 or new_tokens >= seq_len:
         raise ValueError(f"new_tokens must be in [1, {seq_len - 1}], got {new_tokens}")
@@ -125,7 +134,12 @@ def evaluate_settings(
         setting.apply(model)
         nll = block_nll(model, blocks, desc=f"perplexity {setting.name}" if progress else None)
         results[setting.name] = {"ppl": nll_perplexity(nll), "block_nll": nll}
-        ratio, coverage = executed_coverage(model, seq_len) if setting.windows is not None else (1.0, 1.0)
+        if setting.windows is None:
+            ratio, coverage = 1.0, 1.0
+        elif setting.kept_keys is None:
+            ratio, coverage = executed_coverage(model, seq_len)
+        else:
+            ratio, coverage = kept_coverage(layer_specs(model), seq_len, setting.kept_keys, kv_heads(model))
         results[setting.name].update(acr=ratio, causal_coverage=coverage)
 
     prompt = blocks[:1].to(model.device)

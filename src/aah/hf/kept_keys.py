@@ -12,10 +12,16 @@ does for a full prefill:
   that read one KV head, then max-pooled over ``pool_width`` neighbouring positions (so a key
   next to one the question reads is kept with it: copying a number digit by digit reads each
   digit's neighbours, as SnapKV's pooling keeps them), each KV head keeps its ``keys_per_head``
-  highest-scoring keys among those no window will ever hold again (positions before the end
-  of the prompt less the ring's capacity, sinks excluded);
+  highest-scoring keys among those no window will read again (positions up to the end of the
+  prompt less the ring's capacity, sinks excluded; the sinks' scores are zeroed before the
+  pooling);
 * every later query of every head reading that KV head sees the kept keys besides its window
-  and sinks; no key is counted twice, since a kept key lies outside every window from then on.
+  and sinks; no key is counted twice, since a kept key lies outside every window from then on
+  (a ``crop`` back into the prompt drops the kept keys a window would reach again).
+
+Only the cache's first call (the prompt, or the first chunk of a chunked prefill) reads its
+tail and keeps keys. A layer with its own sliding window reads its tail within that window
+and keeps no keys, since it must never read beyond it.
 
 KV memory grows by ``keys_per_head`` keys per KV head (``keys_per_head / T`` of a full cache),
 and the prefill's causal coverage by the tail rows' extra pairs (:func:`tail_coverage_pairs`);
@@ -30,9 +36,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..windows import acr, causal_pairs
+from ..windows import causal_pairs
 
-__all__ = ["KeptKeys", "KeptStore", "choose_kept", "kept_coverage", "tail_attention", "tail_coverage_pairs"]
+__all__ = ["KeptKeys", "KeptStore", "choose_kept", "kept_coverage", "kv_heads", "tail_attention", "tail_coverage_pairs"]
 
 
 @dataclass(frozen=True)
@@ -133,14 +139,28 @@ def tail_coverage_pairs(
     return extra
 
 
-def kept_coverage(specs: Sequence, seq_len: int, kept: KeptKeys) -> tuple[float, float]:
+def kept_coverage(specs: Sequence, seq_len: int, kept: KeptKeys, num_kv_heads: int) -> tuple[float, float]:
     """ACR and causal coverage of a ``seq_len`` prompt read with ``kept`` over the layers' windows
-    ``specs`` (:class:`aah.hf.patching.LayerWindows`): each head holds its window, its sinks and
-    ``keys_per_head`` kept keys (capped at T), and the tail rows read every earlier key."""
+    ``specs`` (:class:`aah.hf.patching.LayerWindows`): each head holds its window and its sinks,
+    plus its KV head's kept keys (at most the positions no window reads again, none in a layer
+    with its own sliding window), and the tail rows read every earlier key."""
     heads = sum(len(spec.windows) for spec in specs)
-    ratio = sum(acr(spec.windows, seq_len, sink_tokens=spec.sink_tokens + kept.keys_per_head) * len(spec.windows)
-                for spec in specs)
+    ratio = 0.0
+    for spec in specs:
+        group = len(spec.windows) // num_kv_heads
+        for h, window in enumerate(spec.windows):
+            held = min(window + spec.sink_tokens, seq_len)
+            if spec.layer_window is None:
+                reach = max(spec.windows[(h // group) * group:(h // group + 1) * group])
+                held += min(kept.keys_per_head, max(0, seq_len - reach + 1 - spec.sink_tokens))
+            ratio += min(held, seq_len) / seq_len
     pairs = sum(causal_pairs(w, seq_len, sink_tokens=spec.sink_tokens) for spec in specs for w in spec.windows)
     pairs += sum(tail_coverage_pairs(spec.windows, spec.sink_tokens, seq_len, kept.tail_tokens, spec.layer_window)
                  for spec in specs)
     return ratio / heads, pairs / (seq_len * (seq_len + 1) // 2 * heads)
+
+
+def kv_heads(model) -> int:
+    """The model's number of KV heads (its query heads without grouped-query attention)."""
+    config = model.config
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads

@@ -51,7 +51,7 @@ def add_command(subparsers) -> None:
     p.add_argument("--kept-keys", type=int, metavar="K",
                    help="with --tail-tokens: each KV head keeps in its cache the K far keys those tokens read most "
                         "(scores max-pooled over --kept-pool neighbouring positions)")
-    p.add_argument("--kept-pool", type=int, default=7, metavar="P",
+    p.add_argument("--kept-pool", type=int, metavar="P",
                    help="with --kept-keys: odd width of the max-pooling of the key scores (default 7; 1: none)")
     p.add_argument("--answers", metavar="FILE",
                    help="keep every answer in FILE (JSON lines) as it is decoded and reuse those already there: "
@@ -170,13 +170,17 @@ def _retrieval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _kept_keys(tail_tokens: int | None, kept_keys: int | None, pool: int):
+def _kept_keys(tail_tokens: int | None, kept_keys: int | None, pool: int | None):
     """The :class:`aah.hf.kept_keys.KeptKeys` of the flags (the first two both or neither), or ``None``."""
     if tail_tokens is None and kept_keys is None:
+        if pool is not None:
+            raise CLIError("--kept-pool needs --tail-tokens and --kept-keys")
         return None
     if tail_tokens is None or kept_keys is None:
         raise CLIError("--tail-tokens and --kept-keys go together: give both or neither")
     from .kept_keys import KeptKeys
+
+    pool = KeptKeys.pool_width if pool is None else pool
 
     for flag, value in (("--tail-tokens", tail_tokens), ("--kept-keys", kept_keys), ("--kept-pool", pool)):
         if value < 1:

@@ -27,7 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .evaluate import Setting, last_logits
-from .kept_keys import kept_coverage
+from .kept_keys import kept_coverage, kv_heads
 from .patching import executed_coverage, layer_specs
 from .retrieval import Sample, is_correct
 
@@ -179,7 +179,7 @@ def setting_facts(model, setting: Setting, seq_len: int) -> dict:
         if setting.kept_keys is None:
             acr, coverage = executed_coverage(model, seq_len)
         else:
-            acr, coverage = kept_coverage(layer_specs(model), seq_len, setting.kept_keys)
+            acr, coverage = kept_coverage(layer_specs(model), seq_len, setting.kept_keys, kv_heads(model))
     finally:
         Setting("full", None).apply(model)
     uniform = setting.windows.unique()
