@@ -1,5 +1,5 @@
 """Shared test helpers: the float64 attention reference (built from aah.windows.visible), a tiny
-offline tokenizer."""
+offline tokenizer, a tiny random Llama."""
 
 from __future__ import annotations
 
@@ -86,6 +86,23 @@ def ref_attention():
 @pytest.fixture
 def masked_logits():
     return masked_reference_logits
+
+
+def tiny_llama(heads: int = 4, kv_heads: int = 2, layers: int = 2, vocab: int = 97):
+    """A seeded random Llama with head_dim 8 and no special tokens (the window cache's tests)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=8 * heads, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=8,
+        max_position_embeddings=256, attn_implementation="sdpa", eos_token_id=None, bos_token_id=None,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture
+def llama():
+    return tiny_llama
 
 
 @pytest.fixture

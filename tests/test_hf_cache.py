@@ -14,16 +14,6 @@ from aah import hf  # noqa: E402
 VOCAB = 97
 
 
-def _llama(heads: int = 4, kv_heads: int = 2, layers: int = 2):
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=8 * heads, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=8,
-        max_position_embeddings=256, attn_implementation="sdpa", eos_token_id=None, bos_token_id=None,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
-
-
 def _ids(batch: int, length: int, seed: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
@@ -47,9 +37,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_greedy_generate_with_window_cache_equals_recompute(case):
+def test_greedy_generate_with_window_cache_equals_recompute(case, llama):
     heads, kv_heads, windows, sinks, prompt_len = CASES[case]
-    model = _llama(heads, kv_heads)
+    model = llama(heads, kv_heads)
     hf.patch(model, torch.tensor(windows), sink_tokens=sinks)
     prompt = _ids(2, prompt_len, seed=1)
     with torch.no_grad():
@@ -62,8 +52,8 @@ def test_greedy_generate_with_window_cache_equals_recompute(case):
     assert hf.cache_memory_bytes(cache) == 2 * 2 * slots * 8 * 4
 
 
-def test_generate_uses_the_window_cache_by_default():
-    model = _llama()
+def test_generate_uses_the_window_cache_by_default(llama):
+    model = llama()
     hf.patch(model, torch.tensor([[5, 5, 7, 7], [3, 3, 3, 3]]), sink_tokens=1)
     prompt = _ids(1, 30, seed=2)
     with torch.no_grad():
@@ -75,8 +65,8 @@ def test_generate_uses_the_window_cache_by_default():
 
 
 @pytest.mark.parametrize("chunks", [[7, 5, 1, 9], [1, 1, 2, 18], [12, 10]])
-def test_chunked_prefill_through_the_cache_is_exact(chunks):
-    model = _llama()
+def test_chunked_prefill_through_the_cache_is_exact(chunks, llama):
+    model = llama()
     hf.patch(model, torch.tensor([[3, 5, 2, 9], [4, 4, 6, 1]]), sink_tokens=2)
     ids = _ids(2, sum(chunks), seed=3)
     with torch.no_grad():
@@ -89,8 +79,8 @@ def test_chunked_prefill_through_the_cache_is_exact(chunks):
     torch.testing.assert_close(torch.cat(got, dim=1), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_left_padded_batch_generation_equals_each_prompt_alone():
-    model = _llama()
+def test_left_padded_batch_generation_equals_each_prompt_alone(llama):
+    model = llama()
     hf.patch(model, torch.tensor([[3, 5, 2, 9], [4, 4, 6, 1]]), sink_tokens=2)
     long_prompt, short_prompt = _ids(1, 14, seed=4), _ids(1, 9, seed=5)
     batch = torch.cat([long_prompt, torch.cat([torch.zeros(1, 5, dtype=torch.long), short_prompt], 1)])
@@ -102,8 +92,8 @@ def test_left_padded_batch_generation_equals_each_prompt_alone():
     assert torch.equal(out[1, 5:], _greedy_by_recompute(model, short_prompt, 6)[0])
 
 
-def test_a_cache_for_other_windows_is_refused():
-    model = _llama()
+def test_a_cache_for_other_windows_is_refused(llama):
+    model = llama()
     hf.patch(model, torch.tensor([[3] * 4, [4] * 4]), sink_tokens=0)
     cache = hf.new_cache(model)
     hf.patch(model, torch.tensor([[5] * 4, [4] * 4]), sink_tokens=0)
@@ -111,8 +101,8 @@ def test_a_cache_for_other_windows_is_refused():
         model(_ids(1, 6, seed=6), past_key_values=cache, use_cache=True)
 
 
-def test_decode_with_full_rings_and_group_windows_builds_no_mask(monkeypatch):
-    model = _llama()
+def test_decode_with_full_rings_and_group_windows_builds_no_mask(monkeypatch, llama):
+    model = llama()
     hf.patch(model, torch.tensor([[5, 5, 7, 7], [3, 3, 3, 3]]), sink_tokens=2)
     prompt = _ids(2, 12, seed=7)
     masked_calls = []
@@ -132,11 +122,11 @@ def test_decode_with_full_rings_and_group_windows_builds_no_mask(monkeypatch):
 
 @pytest.mark.parametrize("route", ["compiled block", "compiled attention"])
 @pytest.mark.parametrize("case", ["gqa_mixed_long_prompt", "gqa_kv_group_with_sinks", "mha_mixed_short_prompt"])
-def test_one_token_steps_run_compiled_and_equal_recompute(compiled, monkeypatch, case, route):
+def test_one_token_steps_run_compiled_and_equal_recompute(compiled, monkeypatch, case, route, llama):
     """A decode step runs the whole decoder layer compiled (aah.hf.block_step), or, where the
     layer's modules must run (here a forward hook on the MLP), its attention compiled."""
     heads, kv_heads, windows, sinks, prompt_len = CASES[case]
-    model = _llama(heads, kv_heads)
+    model = llama(heads, kv_heads)
     hf.patch(model, torch.tensor(windows), sink_tokens=sinks)
     if route == "compiled attention":
         for layer in model.model.layers:

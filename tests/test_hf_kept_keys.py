@@ -17,16 +17,6 @@ VOCAB = 97
 REFERENCE = "kept_keys_reference"
 
 
-def _llama(heads: int, kv_heads: int, layers: int = 2):
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=8 * heads, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=8,
-        max_position_embeddings=256, attn_implementation="sdpa", eos_token_id=None, bos_token_id=None,
-    )
-    return transformers.LlamaForCausalLM(config).eval()
-
-
 def _ids(length: int, seed: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
 
@@ -96,9 +86,9 @@ CASES = {
 
 @torch.no_grad()
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_kept_keys_decoding_equals_the_reference(case):
+def test_kept_keys_decoding_equals_the_reference(case, llama):
     heads, kv_heads, windows, sinks, prompt_len, tail, count, pool = CASES[case]
-    model = _llama(heads, kv_heads)
+    model = llama(heads, kv_heads)
     hf.patch(model, torch.tensor(windows), sink_tokens=sinks)
     prompt = _ids(prompt_len, seed=3)
     cache = hf.new_cache(model, kept_keys=KeptKeys(tail, count, pool))
@@ -133,8 +123,8 @@ def test_kept_keys_decoding_equals_the_reference(case):
 
 
 @torch.no_grad()
-def test_kept_keys_add_their_bytes_and_take_the_masked_route():
-    model = _llama(4, 2)
+def test_kept_keys_add_their_bytes_and_take_the_masked_route(llama):
+    model = llama(4, 2)
     hf.patch(model, torch.tensor([[3, 3, 5, 5], [4, 4, 2, 2]]), sink_tokens=2)
     prompt = _ids(24, seed=4)
     kept, plain = hf.new_cache(model, kept_keys=KeptKeys(4, 3)), hf.new_cache(model)
@@ -147,8 +137,8 @@ def test_kept_keys_add_their_bytes_and_take_the_masked_route():
 
 
 @torch.no_grad()
-def test_left_padded_rows_keep_what_each_prompt_keeps_alone():
-    model = _llama(4, 2)
+def test_left_padded_rows_keep_what_each_prompt_keeps_alone(llama):
+    model = llama(4, 2)
     hf.patch(model, torch.tensor([[3, 3, 5, 5], [4, 4, 2, 2]]), sink_tokens=2)
     spec = KeptKeys(3, 2)
     long_prompt, short_prompt = _ids(18, seed=5), _ids(13, seed=6)
@@ -164,8 +154,8 @@ def test_left_padded_rows_keep_what_each_prompt_keeps_alone():
 
 
 @torch.no_grad()
-def test_a_crop_back_into_the_prompt_drops_the_keys_windows_reach_again():
-    model = _llama(4, 2)
+def test_a_crop_back_into_the_prompt_drops_the_keys_windows_reach_again(llama):
+    model = llama(4, 2)
     hf.patch(model, torch.tensor([[3, 3, 5, 5], [4, 4, 2, 2]]), sink_tokens=1)
     cache = hf.new_cache(model, crop_limit=6, kept_keys=KeptKeys(3, 30))
     model(_ids(24, seed=8), past_key_values=cache, use_cache=True)
@@ -221,12 +211,12 @@ def test_choose_kept_ranks_by_summed_attention_and_leaves_empty_slots():
     assert positions.tolist() == [[[0, 1, 3]]]
 
 
-def test_tail_pairs_and_coverage_by_hand():
+def test_tail_pairs_and_coverage_by_hand(llama):
     # Window 4, 1 sink, T = 10, tail 2: rows 8 and 9 would see 4 + 1 keys; they see 9 and 10.
     assert tail_coverage_pairs([4], 1, 10, 2) == (9 - 5) + (10 - 5)
     # A layer's own sliding window of 6 caps what the tail rows read: 6 each, 1 more than 5.
     assert tail_coverage_pairs([4], 0, 10, 2, layer_window=6) == 2 * (6 - 4)
-    model = _llama(4, 2)
+    model = llama(4, 2)
     hf.patch(model, torch.tensor([[3, 3, 5, 5], [4, 4, 2, 2]]), sink_tokens=1)
     acr, coverage = kept_coverage(layer_specs(model), 32, KeptKeys(4, 3), 2)
     windows = [3, 3, 5, 5, 4, 4, 2, 2]
