@@ -278,8 +278,8 @@ def test_retrieval_kept_keys_are_reported_and_are_another_run(model_dir, tmp_pat
     """--tail-tokens/--kept-keys: the config and the per-setting facts say what ran (the tail's pairs
     in the causal coverage, the kept keys in the ACR), and the journal keeps their answers apart."""
     from aah.hf import retrieval_eval
-    from aah.hf.kept_keys import KeptKeys, kept_coverage, kv_heads
-    from aah.hf.patching import layer_windows_for
+    from aah.hf.kept_keys import KeptKeys, kept_coverage
+    from aah.hf.patching import kv_heads, layer_windows_for
 
     out, journal = tmp_path / "r.json", tmp_path / "answers.jsonl"
     argv = ["hf", "retrieval", str(model_dir / "model"), "--windows", str(model_dir / "w.safetensors"),

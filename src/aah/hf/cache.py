@@ -43,8 +43,15 @@ import torch
 
 from ..decode.rings import RingGroup, RingStore, joined_route, kv_capacities
 from ._transformers import require
-from .kept_keys import KeptKeys, KeptStore, choose_kept, kv_heads, tail_attention
-from .patching import SPEC_ATTR, LayerWindows, attend_without_cache, layer_specs, visible_keys
+from .kept_keys import KeptKeys, KeptStore, choose_kept, tail_attention
+from .patching import (
+    SPEC_ATTR,
+    LayerWindows,
+    attend_without_cache,
+    kv_heads,
+    layer_specs,
+    visible_keys,
+)
 from .windowed_kv import Pending, WindowedKV
 
 __all__ = ["WindowCacheLayer", "cache_memory_bytes", "cache_route", "new_cache"]
@@ -220,9 +227,7 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
             self._undo_to(g, records, target)
         if self.kept is not None:
             # A crop back into the prefill brings later windows back over positions kept from it.
-            capacity = torch.tensor(kv_capacities(self.windows, self.num_kv_heads, self.max_cache_len),
-                                    device=self.kept.positions.device)
-            self.kept.valid &= self.kept.positions <= target - capacity[None, :, None]
+            self.kept.valid &= self.kept.positions <= target - self._capacities(self.kept.positions.device)[None, :, None]
         self.cumulative_length = target
 
     def _undo_to(self, g: RingGroup, records: list[_Undo], target: int) -> None:
@@ -310,7 +315,7 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         # Eligible: real keys, not sinks, that no window will read again (the ring holds the last
         # C positions; a later query's window of at most C reaches back to length - C + 1).
         pos = torch.arange(length, device=query.device)
-        capacity = torch.tensor(kv_capacities(self.windows, self.num_kv_heads, self.max_cache_len), device=query.device)
+        capacity = self._capacities(query.device)
         real = visible[:, 0, -1].expand(keys.shape[0], -1)  # (B, T)
         first = self.sink_start[:, None]
         sink = (pos[None] >= first) & (pos[None] < first + self.sink_tokens)
@@ -327,6 +332,10 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
             positions, valid,
         )
         return out
+
+    def _capacities(self, device) -> torch.Tensor:
+        """(KV heads,) ring capacity of each KV head: the last positions its ring holds."""
+        return torch.tensor(kv_capacities(self.windows, self.num_kv_heads, self.max_cache_len), device=device)
 
     def _find_sinks(self, start: int, attention_mask: torch.Tensor) -> None:
         """Rows with no real token stored yet (all of them in the first call; a row whose earlier

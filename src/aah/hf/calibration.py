@@ -49,6 +49,7 @@ from .loss_estimate import measure_window_kl
 from .patching import (
     LayerWindows,
     attention_modules,
+    kv_heads,
     layer_sinks,
     layer_sliding_window,
     layer_sliding_windows,
@@ -118,11 +119,6 @@ def share_within_kv_groups(windows: torch.Tensor, num_kv_heads: int) -> torch.Te
     the candidate index, so the largest window is the window of the largest index).
     """
     return torch.stack([share_row(row, num_kv_heads) for row in windows])
-
-
-def _num_kv_heads(model) -> int:
-    config = model.config
-    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
 def resolve_candidates(seq_len: int, candidates: Sequence[int] | None) -> tuple[int, ...]:
@@ -333,7 +329,7 @@ def calibrate(
         )
     windows = _run_aah_v3(model, modules, batches, heads, seq_len, candidates, seed, progress)
     if granularity == "kv_group":
-        windows = share_within_kv_groups(windows, _num_kv_heads(model))
+        windows = share_within_kv_groups(windows, kv_heads(model))
     return windows
 
 
@@ -350,7 +346,7 @@ def _run_budgeted(
     if measure == "kl_retrieval" and not retrieval_weight >= 0:
         raise ValueError(f"retrieval_weight must be >= 0, got {retrieval_weight}")
     knapsack_budget = _knapsack_budget(budget, retrieval_reserve, repair_rounds, measure, cands, seq_len, sink_tokens)
-    items = _items(model.config.num_attention_heads, _num_kv_heads(model), granularity)
+    items = _items(model.config.num_attention_heads, kv_heads(model), granularity)
     full_nll: list[float] = []
     if measure in ("kl", "kl_retrieval"):
         lost = measure_window_kl(model, batches, cands, sink_tokens=sink_tokens, seed=seed, progress=progress)
@@ -362,7 +358,7 @@ def _run_budgeted(
         lost = measure_lost_mass(model, batches, cands, sink_tokens=sink_tokens, progress=progress)
     layer_windows = layer_sliding_windows(model)
     windows = budgeted_windows(
-        lost, cands, knapsack_budget, seq_len, sink_tokens=sink_tokens, num_kv_heads=_num_kv_heads(model),
+        lost, cands, knapsack_budget, seq_len, sink_tokens=sink_tokens, num_kv_heads=kv_heads(model),
         granularity=granularity, scope=scope, layer_windows=layer_windows,
     )
     if retrieval_reserve > 0:

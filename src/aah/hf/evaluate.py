@@ -34,9 +34,10 @@ from ..report.stats import paired_difference
 from ._transformers import require
 from .cache import cache_memory_bytes, cache_route, new_cache
 from .calibration import uniform_window_for_budget
-from .kept_keys import KeptKeys, kept_coverage, kv_heads
+from .kept_keys import KeptKeys, kept_coverage
 from .patching import (
     executed_coverage,
+    kv_heads,
     layer_sliding_windows,
     layer_specs,
     layer_windows_for,
@@ -134,12 +135,7 @@ def evaluate_settings(
         setting.apply(model)
         nll = block_nll(model, blocks, desc=f"perplexity {setting.name}" if progress else None)
         results[setting.name] = {"ppl": nll_perplexity(nll), "block_nll": nll}
-        if setting.windows is None:
-            ratio, coverage = 1.0, 1.0
-        elif setting.kept_keys is None:
-            ratio, coverage = executed_coverage(model, seq_len)
-        else:
-            ratio, coverage = kept_coverage(layer_specs(model), seq_len, setting.kept_keys, kv_heads(model))
+        ratio, coverage = setting_coverage(model, setting, seq_len)
         results[setting.name].update(acr=ratio, causal_coverage=coverage)
 
     prompt = blocks[:1].to(model.device)
@@ -179,6 +175,17 @@ def evaluate_settings(
     if hasattr(model, "_aah_previous_attn_implementation"):
         unpatch(model)
     return results
+
+
+def setting_coverage(model, setting: Setting, seq_len: int) -> tuple[float, float]:
+    """ACR and causal coverage of ``setting`` as ``model``, patched with it, runs at ``seq_len``:
+    1 for full attention; with kept keys, counting those and the tail rows
+    (:func:`aah.hf.kept_keys.kept_coverage`)."""
+    if setting.windows is None:
+        return 1.0, 1.0
+    if setting.kept_keys is None:
+        return executed_coverage(model, seq_len)
+    return kept_coverage(layer_specs(model), seq_len, setting.kept_keys, kv_heads(model))
 
 
 def effective_coverage(model, setting: Setting, seq_len: int) -> float:

@@ -36,9 +36,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..windows import causal_pairs
+from .patching import executed_coverage
 
-__all__ = ["KeptKeys", "KeptStore", "choose_kept", "kept_coverage", "kv_heads", "tail_attention", "tail_coverage_pairs"]
+__all__ = ["KeptKeys", "KeptStore", "choose_kept", "kept_coverage", "tail_attention", "tail_coverage_pairs"]
 
 
 @dataclass(frozen=True)
@@ -154,13 +154,6 @@ def kept_coverage(specs: Sequence, seq_len: int, kept: KeptKeys, num_kv_heads: i
                 reach = max(spec.windows[(h // group) * group:(h // group + 1) * group])
                 held += min(kept.keys_per_head, max(0, seq_len - reach + 1 - spec.sink_tokens))
             ratio += min(held, seq_len) / seq_len
-    pairs = sum(causal_pairs(w, seq_len, sink_tokens=spec.sink_tokens) for spec in specs for w in spec.windows)
-    pairs += sum(tail_coverage_pairs(spec.windows, spec.sink_tokens, seq_len, kept.tail_tokens, spec.layer_window)
-                 for spec in specs)
-    return ratio / heads, pairs / (seq_len * (seq_len + 1) // 2 * heads)
-
-
-def kv_heads(model) -> int:
-    """The model's number of KV heads (its query heads without grouped-query attention)."""
-    config = model.config
-    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    tail = sum(tail_coverage_pairs(spec.windows, spec.sink_tokens, seq_len, kept.tail_tokens, spec.layer_window)
+               for spec in specs)
+    return ratio / heads, executed_coverage(None, seq_len, specs)[1] + tail / (seq_len * (seq_len + 1) // 2 * heads)

@@ -84,6 +84,12 @@ def layer_sinks(sink_tokens: int, layer_window: int | None) -> int:
     return sink_tokens if layer_window is None else 0
 
 
+def kv_heads(model: torch.nn.Module) -> int:
+    """The model's number of KV heads (its query heads without grouped-query attention)."""
+    config = model.config
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
 def layer_sliding_window(model: torch.nn.Module, module: torch.nn.Module) -> int | None:
     """The layer's own sliding window: the module's (Qwen3-style) or the model's (Mistral-style)."""
     if hasattr(module, "sliding_window"):

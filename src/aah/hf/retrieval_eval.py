@@ -26,9 +26,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .evaluate import Setting, last_logits
-from .kept_keys import kept_coverage, kv_heads
-from .patching import executed_coverage, layer_specs
+from .evaluate import Setting, last_logits, setting_coverage
 from .retrieval import Sample, is_correct
 
 __all__ = ["AnswerJournal", "wilson_interval", "generate_answers", "run_settings", "score", "draw_heatmaps",
@@ -176,10 +174,7 @@ def setting_facts(model, setting: Setting, seq_len: int) -> dict:
         return {"acr": 1.0, "causal_coverage": 1.0, "window": None}
     setting.apply(model)
     try:
-        if setting.kept_keys is None:
-            acr, coverage = executed_coverage(model, seq_len)
-        else:
-            acr, coverage = kept_coverage(layer_specs(model), seq_len, setting.kept_keys, kv_heads(model))
+        acr, coverage = setting_coverage(model, setting, seq_len)
     finally:
         Setting("full", None).apply(model)
     uniform = setting.windows.unique()
