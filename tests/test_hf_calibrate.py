@@ -328,6 +328,43 @@ def test_calibrate_then_eval_end_to_end(tiny_model_dir, tmp_path, capsys):
     assert "| aah |" in capsys.readouterr().out
 
 
+def test_eval_takes_sink_tokens_and_kept_keys(tiny_model_dir, tmp_path, capsys):
+    """--sink-tokens and --tail-tokens/--kept-keys: the config says what ran, the windowed settings'
+    ACR and causal coverage are those of kept_coverage, their KV bytes hold the kept keys too, and
+    their decode steps take the masked route (the one that reads kept keys)."""
+    from aah.hf.kept_keys import KeptKeys, kept_coverage
+    from aah.hf.patching import LayerWindows
+
+    model_dir, corpus = tiny_model_dir
+    windows = torch.tensor([[8, 8, 16, 16], [4, 4, 8, 8]])
+    path = tmp_path / "w.safetensors"
+    save_windows(path, windows, {"model": model_signature(_llama()), "seq_len": 64, "policy": "uniform",
+                                 "budget": 0.5, "sink_tokens": 2, "acr": 0.1, "causal_coverage": 0.1})
+    base = ["hf", "eval", str(model_dir), "--windows", str(path), "--corpus", str(corpus), "--seq-len", "64",
+            "--batches", "1", "--decode-batch", "2", "--new-tokens", "3", "--rounds", "1"]
+    plain_path, kept_path = tmp_path / "plain.json", tmp_path / "kept.json"
+    assert main([*base, "--sink-tokens", "3", "--json", str(plain_path)]) == 0
+    assert main([*base, "--sink-tokens", "3", "--tail-tokens", "4", "--kept-keys", "6", "--kept-pool", "3",
+                 "--json", str(kept_path)]) == 0
+    plain, kept = json.loads(plain_path.read_text()), json.loads(kept_path.read_text())
+    assert plain["config"]["sink_tokens"] == kept["config"]["sink_tokens"] == 3
+    assert (plain["config"]["tail_tokens"], plain["config"]["kept_keys"], plain["config"]["kept_pool"]) == (None,) * 3
+    assert (kept["config"]["tail_tokens"], kept["config"]["kept_keys"], kept["config"]["kept_pool"]) == (4, 6, 3)
+    specs = [LayerWindows.build(tuple(int(w) for w in row), 3, "auto", None) for row in windows]
+    acr, coverage = kept_coverage(specs, 64, KeptKeys(4, 6, 3), 2)
+    assert kept["aah"]["acr"] == pytest.approx(acr) and kept["aah"]["causal_coverage"] == pytest.approx(coverage)
+    assert plain["aah"]["causal_coverage"] == pytest.approx(causal_coverage(windows, 64, sink_tokens=3))
+    # Each KV head of the 61-token decode prompts keeps 6 far keys (K and V, 8 floats each) per layer.
+    assert kept["aah"]["kv_bytes"] - plain["aah"]["kv_bytes"] == 2 * 2 * 2 * 6 * 2 * 8 * 4
+    assert kept["aah"]["decode_route"] == kept["uniform"]["decode_route"] == "masked"
+    assert kept["aah"]["ppl"] == pytest.approx(plain["aah"]["ppl"])  # the perplexity reads the windows alone
+    assert "kept keys count in ACR" in capsys.readouterr().out
+    assert "--kept-pool must be odd" in _error([*base, "--tail-tokens", "4", "--kept-keys", "6", "--kept-pool", "2"],
+                                               capsys)
+    assert "go together" in _error([*base, "--tail-tokens", "4"], capsys)
+    assert "--sink-tokens must be >= 0" in _error([*base, "--sink-tokens", "-1"], capsys)
+
+
 def _error(argv, capsys) -> str:
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()

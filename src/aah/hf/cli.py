@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from ..errors import CLIError
+from .setting_flags import add_setting_flags, kept_keys_config, setting_flags
 
 CORPUS_HELP = "corpus name (shakespeare, bible) or a text file/folder"
 
@@ -95,6 +96,7 @@ def add_commands(subparsers) -> None:
     evaluate.add_argument("--new-tokens", type=int, default=16, help="decode steps timed (default 16)")
     evaluate.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (default 3)")
     evaluate.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-' for stdout)")
+    add_setting_flags(evaluate)
     evaluate.set_defaults(func=_evaluate)
 
     from .retrieval_cli import add_command as add_retrieval_command
@@ -284,6 +286,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     for name in ("decode_batch", "new_tokens", "rounds"):
         if getattr(args, name) < 1:
             raise CLIError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    sink_tokens, kept = setting_flags(args)
     try:
         windows, meta = load_windows(args.windows)
     except (FileNotFoundError, ValueError) as exc:
@@ -297,7 +300,7 @@ def _evaluate(args: argparse.Namespace) -> int:
         raise CLIError(f"--new-tokens must be below --seq-len ({args.seq_len}), got {args.new_tokens}")
     blocks = _blocks(tokenizer, args.corpus, "val", args.seq_len, args.batches)
     model = load_model()
-    aah = Setting("aah", windows, int(meta["sink_tokens"]))
+    aah = Setting("aah", windows, int(meta["sink_tokens"]) if sink_tokens is None else sink_tokens, kept)
     settings = [Setting("full", None), aah, uniform_setting(model, aah, args.seq_len)]
     results = evaluate_settings(
         model, settings, blocks, decode_batch=args.decode_batch, new_tokens=args.new_tokens, rounds=args.rounds
@@ -308,6 +311,7 @@ def _evaluate(args: argparse.Namespace) -> int:
             "decode_batch": args.decode_batch, "new_tokens": args.new_tokens, "rounds": args.rounds,
             "windows_file": str(args.windows), "policy": meta["policy"], "sink_tokens": aah.sink_tokens,
             "uniform_window": int(settings[2].windows[0, 0]),
+            **kept_keys_config(kept),
         },
         **results,
         **summary(results),
@@ -318,6 +322,9 @@ def _evaluate(args: argparse.Namespace) -> int:
         f"decode x{report['decode_speedup']:.2f} (batch {args.decode_batch}), "
         f"KV bytes ratio {report['kv_bytes_ratio']:.3f} (ACR {results['aah']['acr']:.3f})"
     )
+    if kept is not None:
+        print("kept keys count in ACR, KV bytes and speeds; the perplexity reads each block without a cache "
+              "(the windows alone)")
     if args.json == "-":
         json.dump(report, sys.stdout, indent=2)
         print()

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from ..errors import CLIError
+from .setting_flags import add_setting_flags, kept_keys_config, setting_flags
 
 __all__ = ["add_command"]
 
@@ -42,17 +43,7 @@ def add_command(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-' for stdout)")
     p.add_argument("--heatmap", metavar="FILE", help="depth x length accuracy heatmaps (PNG)")
-    p.add_argument("--sink-tokens", type=int, metavar="N",
-                   help="sink tokens of the aah and uniform settings instead of the windows file's: the first N "
-                        "prompt tokens stay visible to every head (for example a task instruction at the start)")
-    p.add_argument("--tail-tokens", type=int, metavar="N",
-                   help="with --kept-keys: the last N prompt tokens of the aah and uniform settings read every "
-                        "earlier key (ours, docs/hf.md 'Kept keys')")
-    p.add_argument("--kept-keys", type=int, metavar="K",
-                   help="with --tail-tokens: each KV head keeps in its cache the K far keys those tokens read most "
-                        "(scores max-pooled over --kept-pool neighbouring positions)")
-    p.add_argument("--kept-pool", type=int, metavar="P",
-                   help="with --kept-keys: odd width of the max-pooling of the key scores (default 7; 1: none)")
+    add_setting_flags(p)
     p.add_argument("--answers", metavar="FILE",
                    help="keep every answer in FILE (JSON lines) as it is decoded and reuse those already there: "
                         "a stopped run resumes where it stopped")
@@ -86,10 +77,8 @@ def _retrieval(args: argparse.Namespace) -> int:
     depths = _numbers("--depths", args.depths, float, lambda d: 0.0 <= d <= 1.0, "depths in [0, 1]")
     if args.trials < 1:
         raise CLIError(f"--trials must be >= 1, got {args.trials}")
-    if args.sink_tokens is not None and args.sink_tokens < 0:
-        raise CLIError(f"--sink-tokens must be >= 0, got {args.sink_tokens}")
     lengths = _numbers("--lengths", args.lengths, int, lambda n: n >= 2, "lengths >= 2")
-    kept = _kept_keys(args.tail_tokens, args.kept_keys, args.kept_pool)
+    sink_tokens, kept = setting_flags(args)
 
     from .evaluate import Setting, uniform_setting
     from .retrieval import build_samples
@@ -117,7 +106,7 @@ def _retrieval(args: argparse.Namespace) -> int:
             raise CLIError(f"cannot write {path}: no folder {Path(path).parent}")
     model = load_model()
     file_sinks = int(meta["sink_tokens"])
-    sinks = file_sinks if args.sink_tokens is None else args.sink_tokens
+    sinks = file_sinks if sink_tokens is None else sink_tokens
     aah = Setting("aah", windows, sinks, kept)
     journal = None
     if args.answers:
@@ -146,9 +135,7 @@ def _retrieval(args: argparse.Namespace) -> int:
             "model": meta["model"], "windows_file": str(args.windows), "policy": meta["policy"],
             "sink_tokens": aah.sink_tokens, "tasks": tasks, "lengths": lengths, "depths": depths,
             "trials": args.trials, "seed": args.seed, "settings": wanted,
-            "tail_tokens": None if kept is None else kept.tail_tokens,
-            "kept_keys": None if kept is None else kept.keys_per_head,
-            "kept_pool": None if kept is None else kept.pool_width,
+            **kept_keys_config(kept),
         },
         "settings": facts,
         "results": results,
@@ -168,26 +155,6 @@ def _retrieval(args: argparse.Namespace) -> int:
     if args.heatmap:
         draw_heatmaps(results, args.heatmap)
     return 0
-
-
-def _kept_keys(tail_tokens: int | None, kept_keys: int | None, pool: int | None):
-    """The :class:`aah.hf.kept_keys.KeptKeys` of the flags (the first two both or neither), or ``None``."""
-    if tail_tokens is None and kept_keys is None:
-        if pool is not None:
-            raise CLIError("--kept-pool needs --tail-tokens and --kept-keys")
-        return None
-    if tail_tokens is None or kept_keys is None:
-        raise CLIError("--tail-tokens and --kept-keys go together: give both or neither")
-    from .kept_keys import KeptKeys
-
-    pool = KeptKeys.pool_width if pool is None else pool
-
-    for flag, value in (("--tail-tokens", tail_tokens), ("--kept-keys", kept_keys), ("--kept-pool", pool)):
-        if value < 1:
-            raise CLIError(f"{flag} must be >= 1, got {value}")
-    if pool % 2 == 0:
-        raise CLIError(f"--kept-pool must be odd, got {pool}")
-    return KeptKeys(tail_tokens, kept_keys, pool)
 
 
 def _table(results: dict, facts: dict, lengths: list[int]) -> str:

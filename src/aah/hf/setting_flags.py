@@ -1,0 +1,63 @@
+"""The flags ``aah hf eval`` and ``aah hf retrieval`` share for the windowed settings: sink tokens
+other than the windows file's, and kept keys (:mod:`aah.hf.kept_keys`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..errors import CLIError
+
+__all__ = ["add_setting_flags", "kept_keys_config", "setting_flags"]
+
+
+def add_setting_flags(parser: argparse.ArgumentParser) -> None:
+    """Add ``--sink-tokens``, ``--tail-tokens``, ``--kept-keys`` and ``--kept-pool``."""
+    parser.add_argument("--sink-tokens", type=int, metavar="N",
+                        help="sink tokens of the aah and uniform settings instead of the windows file's: the first "
+                             "N prompt tokens stay visible to every head (for example a task instruction at the start)")
+    parser.add_argument("--tail-tokens", type=int, metavar="N",
+                        help="with --kept-keys: the last N prompt tokens of the aah and uniform settings read every "
+                             "earlier key (ours, docs/hf.md 'Kept keys')")
+    parser.add_argument("--kept-keys", type=int, metavar="K",
+                        help="with --tail-tokens: each KV head keeps in its cache the K far keys those tokens read "
+                             "most (scores max-pooled over --kept-pool neighbouring positions)")
+    parser.add_argument("--kept-pool", type=int, metavar="P",
+                        help="with --kept-keys: odd width of the max-pooling of the key scores (default 7; 1: none)")
+
+
+def setting_flags(args: argparse.Namespace):
+    """``(sink_tokens, kept_keys)`` of the flags, checked: ``--sink-tokens`` (None: the windows
+    file's) and the :class:`aah.hf.kept_keys.KeptKeys` (None without kept keys)."""
+    if args.sink_tokens is not None and args.sink_tokens < 0:
+        raise CLIError(f"--sink-tokens must be >= 0, got {args.sink_tokens}")
+    return args.sink_tokens, _kept_keys(args)
+
+
+def _kept_keys(args: argparse.Namespace):
+    """The :class:`aah.hf.kept_keys.KeptKeys` of the flags (``--tail-tokens`` and ``--kept-keys``
+    both or neither), or ``None``."""
+    tail_tokens, kept_keys, pool = args.tail_tokens, args.kept_keys, args.kept_pool
+    if tail_tokens is None and kept_keys is None:
+        if pool is not None:
+            raise CLIError("--kept-pool needs --tail-tokens and --kept-keys")
+        return None
+    if tail_tokens is None or kept_keys is None:
+        raise CLIError("--tail-tokens and --kept-keys go together: give both or neither")
+    from .kept_keys import KeptKeys
+
+    pool = KeptKeys.pool_width if pool is None else pool
+    for flag, value in (("--tail-tokens", tail_tokens), ("--kept-keys", kept_keys), ("--kept-pool", pool)):
+        if value < 1:
+            raise CLIError(f"{flag} must be >= 1, got {value}")
+    if pool % 2 == 0:
+        raise CLIError(f"--kept-pool must be odd, got {pool}")
+    return KeptKeys(tail_tokens, kept_keys, pool)
+
+
+def kept_keys_config(kept) -> dict:
+    """The JSON config keys ``tail_tokens``, ``kept_keys`` and ``kept_pool`` (None without kept keys)."""
+    return {
+        "tail_tokens": None if kept is None else kept.tail_tokens,
+        "kept_keys": None if kept is None else kept.keys_per_head,
+        "kept_pool": None if kept is None else kept.pool_width,
+    }
