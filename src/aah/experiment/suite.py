@@ -289,8 +289,9 @@ def run_suite(
     stopping = threading.Event()
 
     def monitor() -> None:
+        # A resumed run logs again from its last checkpoint: the bar never goes back.
         while not finished.wait(1.0):
-            bar.n = _steps_done(specs)
+            bar.n = max(bar.n, _steps_done(specs))
             bar.refresh()
 
     watcher = threading.Thread(target=monitor, daemon=True)
@@ -305,7 +306,7 @@ def run_suite(
     finally:
         finished.set()
         watcher.join()
-        bar.n = _steps_done(specs)
+        bar.n = max(bar.n, _steps_done(specs))
         bar.close()
     return specs, failures
 
