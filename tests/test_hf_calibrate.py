@@ -331,7 +331,7 @@ def test_calibrate_then_eval_end_to_end(tiny_model_dir, tmp_path, capsys):
 def test_eval_takes_sink_tokens_and_kept_keys(tiny_model_dir, tmp_path, capsys):
     """--sink-tokens and --tail-tokens/--kept-keys: the config says what ran, the windowed settings'
     ACR and causal coverage are those of kept_coverage, their KV bytes hold the kept keys too, and
-    their decode steps take the masked route (the one that reads kept keys)."""
+    their decode steps take the compiled attention step (not the whole-layer one)."""
     from aah.hf.kept_keys import KeptKeys, kept_coverage
     from aah.hf.patching import LayerWindows
 
@@ -356,7 +356,10 @@ def test_eval_takes_sink_tokens_and_kept_keys(tiny_model_dir, tmp_path, capsys):
     assert plain["aah"]["causal_coverage"] == pytest.approx(causal_coverage(windows, 64, sink_tokens=3))
     # Each KV head of the 61-token decode prompts keeps 6 far keys (K and V, 8 floats each) per layer.
     assert kept["aah"]["kv_bytes"] - plain["aah"]["kv_bytes"] == 2 * 2 * 2 * 6 * 2 * 8 * 4
-    assert kept["aah"]["decode_route"] == kept["uniform"]["decode_route"] == "masked"
+    from aah.decode import ring_decode
+
+    compiled = ring_decode.unavailable_reason() is None  # kept keys: the attention step, not the whole layer
+    assert kept["aah"]["decode_route"] == kept["uniform"]["decode_route"] == ("compiled attention" if compiled else "masked")
     assert kept["aah"]["ppl"] == pytest.approx(plain["aah"]["ppl"])  # the perplexity reads the windows alone
     assert "kept keys count in ACR" in capsys.readouterr().out
     assert "--kept-pool must be odd" in _error([*base, "--tail-tokens", "4", "--kept-keys", "6", "--kept-pool", "2"],

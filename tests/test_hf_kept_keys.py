@@ -9,6 +9,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from aah import hf  # noqa: E402
+from aah.decode import ring_decode  # noqa: E402
+from aah.decode.rings import RingStore  # noqa: E402
 from aah.hf.kept_keys import KeptKeys, choose_kept, kept_coverage, tail_coverage_pairs  # noqa: E402
 from aah.hf.patching import layer_specs  # noqa: E402
 from aah.windows import causal_coverage  # noqa: E402
@@ -85,8 +87,15 @@ CASES = {
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("route", ["compiled attention", "masked"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_kept_keys_decoding_equals_the_reference(case, llama):
+def test_kept_keys_decoding_equals_the_reference(case, route, llama, monkeypatch):
+    """Both decode routes: the compiled step joins the kept keys through its log-sum-exp, the
+    masked one reads them as more columns."""
+    if route == "compiled attention" and ring_decode.unavailable_reason() is not None:
+        pytest.skip(f"compiled decode step unavailable: {ring_decode.unavailable_reason()}")
+    if route == "masked":
+        monkeypatch.setattr(RingStore, "compiled_ready", lambda *args, **kwargs: False)
     heads, kv_heads, windows, sinks, prompt_len, tail, count, pool = CASES[case]
     model = llama(heads, kv_heads)
     hf.patch(model, torch.tensor(windows), sink_tokens=sinks)
@@ -100,6 +109,7 @@ def test_kept_keys_decoding_equals_the_reference(case, llama):
         nxt = steps[-1].argmax()[None, None]
         tokens.append(nxt)
         steps.append(model(nxt, past_key_values=cache, use_cache=True).logits[0, -1])
+    assert hf.cache_route(cache) == route
     seq = torch.cat(tokens, dim=1)
 
     reference = Reference(windows, sinks, prompt_len, tail, count, pool)
@@ -113,8 +123,7 @@ def test_kept_keys_decoding_equals_the_reference(case, llama):
     torch.testing.assert_close(logits, expected[:prompt_len], atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(torch.stack(steps[1:]), expected[prompt_len:], atol=2e-5, rtol=1e-4)
     for layer, cache_layer in enumerate(cache.layers):
-        positions = [[p for p, ok in zip(row.tolist(), valid.tolist()) if ok]
-                     for row, valid in zip(cache_layer.kept.positions[0], cache_layer.kept.valid[0])]
+        positions = cache_layer.kept.held()[0]
         assert positions == reference.kept[layer]
         assert [len(row) for row in positions] == [min(count, n) for n in reference.eligible[layer]]
         assert any(positions)
@@ -123,7 +132,7 @@ def test_kept_keys_decoding_equals_the_reference(case, llama):
 
 
 @torch.no_grad()
-def test_kept_keys_add_their_bytes_and_take_the_masked_route(llama):
+def test_kept_keys_add_their_bytes(llama):
     model = llama(4, 2)
     hf.patch(model, torch.tensor([[3, 3, 5, 5], [4, 4, 2, 2]]), sink_tokens=2)
     prompt = _ids(24, seed=4)
@@ -133,7 +142,25 @@ def test_kept_keys_add_their_bytes_and_take_the_masked_route(llama):
         model(prompt[:, -1:], past_key_values=cache, use_cache=True)
     # 2 layers x (keys + values) x 2 KV heads x 3 kept x head_dim 8 x 4 bytes
     assert hf.cache_memory_bytes(kept) - hf.cache_memory_bytes(plain) == 2 * 2 * 2 * 3 * 8 * 4
-    assert hf.cache_route(kept) == "masked"
+
+
+@torch.no_grad()
+def test_a_head_holds_only_the_far_keys_that_exist(llama):
+    """A KV head whose window and sinks reach the whole prompt holds no kept slots, the others
+    keys_per_head: the bytes follow kept_coverage's count."""
+    model = llama(4, 2)
+    windows = torch.tensor([[3, 3, 5, 5], [4, 4, 23, 23]])
+    hf.patch(model, windows, sink_tokens=2)
+    prompt = _ids(24, seed=4)
+    kept, plain = hf.new_cache(model, kept_keys=KeptKeys(4, 3)), hf.new_cache(model)
+    for cache in (kept, plain):
+        model(prompt, past_key_values=cache, use_cache=True)
+    # Far keys (positions 2 .. 24 - C: past the sinks, before every later window): 20, 18, 19, none.
+    assert [len(h) for layer in kept.layers for h in layer.kept.held()[0]] == [3, 3, 3, 0]
+    assert hf.cache_memory_bytes(kept) - hf.cache_memory_bytes(plain) == 2 * 9 * 8 * 4
+    acr, _ = kept_coverage(layer_specs(model), 24, KeptKeys(4, 3), 2)
+    plain_acr = sum(min(int(w) + 2, 24) for w in windows.flatten()) / (8 * 24)
+    assert acr == pytest.approx(plain_acr + 2 * 9 / (8 * 24))  # each kept key is read by 2 query heads
 
 
 @torch.no_grad()
@@ -159,16 +186,14 @@ def test_a_crop_back_into_the_prompt_drops_the_keys_windows_reach_again(llama):
     hf.patch(model, torch.tensor([[3, 3, 5, 5], [4, 4, 2, 2]]), sink_tokens=1)
     cache = hf.new_cache(model, crop_limit=6, kept_keys=KeptKeys(3, 30))
     model(_ids(24, seed=8), past_key_values=cache, use_cache=True)
-    before = [layer.kept.valid.clone() for layer in cache.layers]
+    before = [layer.kept.held()[0] for layer in cache.layers]
     cache.crop(-4)  # back to 20 positions: later windows of up to 5 reach position 16 again
-    for layer, valid in zip(cache.layers, before):
-        capacity = torch.tensor([max(layer.windows[:2]), max(layer.windows[2:])])
-        kept = layer.kept.positions[layer.kept.valid]
-        heads = torch.nonzero(layer.kept.valid)[:, 1]
-        assert bool((kept <= 20 - capacity[heads]).all())
+    for layer, held in zip(cache.layers, before):
+        capacity = [max(layer.windows[:2]), max(layer.windows[2:])]
         # Every key a window no longer reaches is still there; the others are gone.
-        assert int(layer.kept.valid.sum()) == int((valid & (layer.kept.positions <= 20 - capacity[None, :, None])).sum())
-        assert int(layer.kept.valid.sum()) < int(valid.sum())
+        expected = [[p for p in positions if p <= 20 - c] for positions, c in zip(held, capacity)]
+        assert layer.kept.held()[0] == expected
+        assert sum(map(len, expected)) < sum(map(len, held))
 
 
 @torch.no_grad()

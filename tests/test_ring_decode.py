@@ -69,14 +69,16 @@ def test_sink_slots_are_read_by_the_window_rule(compiled, sinks):
                 slots = ([starts[g] - sinks + p] if p < sinks else []) + ([starts[g] + p % cap] if p >= length - cap else [])
                 for slot in slots:
                     keys[:, slot], values[:, slot] = history_k[:, g, p], history_v[:, g, p]
+        lse = torch.empty(2, 4, dtype=torch.float32)
         got = compiled.ring_decode(q, keys, values, torch.tensor(starts), torch.tensor(capacities),
-                                   torch.tensor(windows), length, 0.25, sinks=sinks)
+                                   torch.tensor(windows), length, 0.25, sinks=sinks, lse=lse)
         pos = torch.arange(length)
         for h, w in enumerate(windows):
             keep = visible(length - 1, pos, w, sinks)
             scores = torch.einsum("bd,bnd->bn", q[:, h], history_k[:, h // 2, keep]) * 0.25
             want = torch.einsum("bn,bnd->bd", scores.softmax(-1), history_v[:, h // 2, keep])
             torch.testing.assert_close(got[:, h], want, atol=1e-12, rtol=1e-12)
+            torch.testing.assert_close(lse[:, h].double(), scores.logsumexp(-1), atol=1e-6, rtol=1e-6)
 
 
 def test_large_scores_stay_finite_and_exact(compiled):
@@ -101,6 +103,10 @@ def test_bad_input_is_an_error(compiled):
         compiled.ring_decode(q, keys, values, *args, 0, 0.5)
     with pytest.raises(RuntimeError, match="sink slots before it"):  # no room for sinks before the first ring
         compiled.ring_decode(q, keys, values, *args, 4, 0.5, sinks=1)
+    with pytest.raises(RuntimeError, match="lse must be a contiguous float32"):
+        compiled.ring_decode(q, keys, values, *args, 4, 0.5, lse=torch.empty(1, 2, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="lse must be a contiguous float32"):
+        compiled.ring_decode(q, keys, values, *args, 4, 0.5, lse=torch.empty(1, 3))
 
 
 def test_turned_off_by_the_environment(monkeypatch):

@@ -343,6 +343,7 @@ def ring_decode(
     scale: float,
     *,
     sinks: int = 0,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` (B, H, D) over the last ``min(W_h, length, C)`` entries of each head's ring.
 
@@ -352,10 +353,14 @@ def ring_decode(
     ``h // (H // H_kv)`` with window ``windows[h]``; ``length`` positions are
     written (the newest included). With ``sinks`` the ``sinks`` slots before
     each ring hold positions ``0 .. sinks - 1``, and a head also reads those
-    that lie before its window (:func:`aah.windows.visible`). Returns (B, H, D).
-    Raises ``RuntimeError`` when the extension is not available (see :func:`load`).
+    that lie before its window (:func:`aah.windows.visible`). Returns (B, H, D); with ``lse``
+    (a float32 (B, H) tensor) also writes there each row's log-sum-exp of its scaled scores,
+    with which more keys can join the same softmax. Raises ``RuntimeError`` when the extension
+    is not available (see :func:`load`).
     """
-    return _module().ring_decode(q, keys, values, ring_start, capacity, windows, int(length), int(sinks), float(scale))
+    return _module().ring_decode(
+        q, keys, values, ring_start, capacity, windows, int(length), int(sinks), float(scale), lse
+    )
 
 
 def paged_attention(

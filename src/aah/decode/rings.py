@@ -278,7 +278,7 @@ class RingStore:
         first_real: torch.Tensor | None = None,
         key_mask: torch.Tensor | None = None,
         scale: float | None = None,
-        kept: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        kept: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
     ) -> torch.Tensor:
         """Exact masked attention of ``query`` (B, H, T, D) at positions ``start..`` over the stored
         slots plus the new keys/values (B, H_kv, T, D) of those positions, which are not stored yet.
@@ -287,9 +287,9 @@ class RingStore:
         column: a sink outside the window from its sink slot (once stored), every other key from
         the ring or the new tokens. ``first_real`` (B,) as in :meth:`write`; ``key_mask`` (B, 1,
         T, >= start + T), ``True`` (or 0.0) where a key position may be read (a padding mask).
-        ``kept``: keys, values (B, H_kv, K, D) and a (B, H_kv, K) flag of which hold a key, seen by
-        every query of the heads reading each KV head (far keys outside every window,
-        :mod:`aah.hf.kept_keys`). Computes in the query's dtype (the stored entries are cast to
+        ``kept``: per ring group (in the order of :attr:`groups`), keys, values (B, n, K, D) of its
+        ``n`` KV heads and a (B, n, K) flag of which hold a key, seen by every query of the heads
+        reading each KV head (far keys outside every window, :mod:`aah.hf.kept_keys`). Computes in the query's dtype (the stored entries are cast to
         it); returns (B, H, T, D_v).
         """
         batch, _, new, _ = query.shape
@@ -302,7 +302,7 @@ class RingStore:
             unmasked = key_mask if key_mask.dtype == torch.bool else key_mask == 0
         dtype = query.dtype
         out = query.new_empty(*query.shape[:-1], new_values.shape[-1])
-        for g in self.groups:
+        for i, g in enumerate(self.groups):
             keys = torch.cat([g.keys.to(dtype), new_keys[:, g.kv_heads].to(dtype)], dim=2)
             values = torch.cat([g.values.to(dtype), new_values[:, g.kv_heads].to(dtype)], dim=2)
             # Positions of every key column, per row: sink slots, ring slots, new tokens.
@@ -324,7 +324,7 @@ class RingStore:
             # A row with nothing to read (all padding) reads its own token: finite, and never used.
             allowed = allowed | (~allowed.any(-1, keepdim=True) & (dist == 0)[:, None])
             if kept is not None:
-                kept_keys, kept_values, kept_valid = (t[:, g.kv_heads] for t in kept)
+                kept_keys, kept_values, kept_valid = kept[i]
                 keys = torch.cat([kept_keys.to(dtype), keys], dim=2)
                 values = torch.cat([kept_values.to(dtype), values], dim=2)
                 readers = kept_valid.repeat_interleave(len(g.query_heads) // len(g.kv_heads), dim=1)
@@ -348,7 +348,7 @@ class RingStore:
         key_mask: torch.Tensor | None = None,
         compute: torch.dtype | None = None,
         record: WriteRecorder | None = None,
-        kept: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        kept: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
     ) -> torch.Tensor:
         """Attend ``query`` (B, H, T, D) at positions ``start..`` over the stored slots plus the new
         keys/values, then store those: the route of every call that is not a whole compiled block.
@@ -362,10 +362,10 @@ class RingStore:
         if start == 0:
             self.route = "prefill"
             out = prefill()
-        elif query.shape[2] == 1 and key_mask is None and kept is None and self.compiled_ready(query, first_real):
+        elif query.shape[2] == 1 and key_mask is None and self.compiled_ready(query, first_real):
             self.route = "compiled attention"
             self.write(new_keys, new_values, start, first_real, record)
-            return self.decode(query[:, :, 0], start + 1, scale)[:, :, None]
+            return self.decode(query[:, :, 0], start + 1, scale, kept)[:, :, None]
         else:
             self.route = "masked"
             compute = query.dtype if compute is None else compute
@@ -388,14 +388,26 @@ class RingStore:
             and ring_decode.load() is not None
         )
 
-    def decode(self, query: torch.Tensor, length: int, scale: float) -> torch.Tensor:
+    def decode(
+        self, query: torch.Tensor, length: int, scale: float,
+        kept: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+    ) -> torch.Tensor:
         """Attention of ``query`` (B, H, D) at position ``length - 1`` (stored) over each head's
-        window and the sinks before it, in one call of :func:`aah.decode.ring_decode.ring_decode`."""
+        window and the sinks before it, in one call of :func:`aah.decode.ring_decode.ring_decode`;
+        ``kept`` keys (as :meth:`attend` takes them) join the same softmax through its log-sum-exp."""
         ring_start, allocated, _ = self.ring_index()
-        return ring_decode.ring_decode(
-            query.contiguous(), self.flat_keys, self.flat_values, ring_start, allocated, self.windows_tensor,
-            length, scale, sinks=self.sinks,
+        query = query.contiguous()
+        lse = None if kept is None else query.new_empty(query.shape[:2], dtype=torch.float32)
+        out = ring_decode.ring_decode(
+            query, self.flat_keys, self.flat_values, ring_start, allocated, self.windows_tensor,
+            length, scale, sinks=self.sinks, lse=lse,
         )
+        if kept is not None:
+            for g, (keys, values, valid) in zip(self.groups, kept):
+                if keys.shape[2]:
+                    out[:, g.query_heads] = _join_kept(query[:, g.query_heads], out[:, g.query_heads],
+                                                       lse[:, g.query_heads], keys, values, valid, scale)
+        return out
 
     def decode_block(
         self, x: torch.Tensor, block: ring_decode.Block, cos: torch.Tensor | None, sin: torch.Tensor | None,
@@ -412,3 +424,26 @@ class RingStore:
             g.ring_positions[position % g.capacity] = position
         self.route = "compiled block"
         return out
+
+
+def _join_kept(
+    query: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+    valid: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """One softmax over a ring's keys and kept keys: ``out`` (B, H, D) and ``lse`` (B, H) are the
+    ring's attention and log-sum-exp for ``query`` (B, H, D); ``keys``/``values`` (B, n, K, D) the
+    kept keys of the ``n`` KV heads these ``H`` query heads read (``H / n`` each, in order) and
+    ``valid`` (B, n, K) which of them hold a key. Returns the joined (B, H, D) in ``out``'s dtype."""
+    batch, heads, dim = query.shape
+    n = keys.shape[1]
+    q = query.float().view(batch, n, heads // n, dim)
+    scores = torch.matmul(q, keys.float().transpose(-1, -2)) * scale  # (B, n, H / n, K)
+    scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
+    kept_lse = torch.logsumexp(scores, dim=-1)  # -inf where a head keeps nothing
+    top = torch.maximum(kept_lse, lse.view(batch, n, -1))
+    ring_weight = torch.exp(lse.view(batch, n, -1) - top)[..., None]
+    kept_weight = torch.exp(kept_lse - top)[..., None]
+    kept_out = torch.matmul(torch.exp(scores - top[..., None]), values.float())  # unnormalised, scaled by 1/e^top
+    joined = (out.float().view(batch, n, heads // n, -1) * ring_weight + kept_out) / (ring_weight + kept_weight)
+    return joined.view(batch, heads, -1).to(out.dtype)
+

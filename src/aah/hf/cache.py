@@ -23,7 +23,8 @@ The routes of a call (:attr:`WindowCacheLayer.route`):
   CPU runs the whole decoder layer in one compiled call (:mod:`aah.hf.block_step`);
 * ``compiled attention``: any other one-token step without padding on CPU runs the layer's
   modules, and its attention reads each head's window and the sinks before it from the flat
-  buffers in one call (:func:`aah.decode.ring_decode.ring_decode`);
+  buffers in one call (:func:`aah.decode.ring_decode.ring_decode`), then joins any kept keys
+  (:mod:`aah.hf.kept_keys`) to the same softmax by its log-sum-exp;
 * ``masked``: everything else (chunked prefill after a prefix, padding, other devices, no
   compiler) attends over the slots plus the new tokens with an exact position mask, then
   stores the new tokens; ``prefill``: the first call, which the model's backends run.
@@ -227,7 +228,7 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
             self._undo_to(g, records, target)
         if self.kept is not None:
             # A crop back into the prefill brings later windows back over positions kept from it.
-            self.kept.valid &= self.kept.positions <= target - self._capacities(self.kept.positions.device)[None, :, None]
+            self.kept.forget_reached(target)
         self.cumulative_length = target
 
     def _undo_to(self, g: RingGroup, records: list[_Undo], target: int) -> None:
@@ -295,7 +296,7 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
             query, pending.keys, pending.values, pending.start,
             prefill=prefill, scale=scale, first_real=self.sink_start, key_mask=attention_mask,
             record=self._record if self.crop_limit or self.record_past else None,
-            kept=None if kept is None else (kept.keys, kept.values, kept.valid),
+            kept=None if kept is None else kept.readable(),
         )
 
     def _read_tail_and_keep(self, query, keys, values, attention_mask, scale, spec: LayerWindows, out):
@@ -325,12 +326,7 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         positions, valid = choose_kept(
             probs, self.num_kv_heads, eligible, self.kept_keys.keys_per_head, self.kept_keys.pool_width
         )
-        index = positions.clamp_min(0)[..., None]
-        self.kept = KeptStore(
-            keys.gather(2, index.expand(-1, -1, -1, keys.shape[-1])).clone(),
-            values.gather(2, index.expand(-1, -1, -1, values.shape[-1])).clone(),
-            positions, valid,
-        )
+        self.kept = KeptStore.gather(keys, values, positions, valid, self.store.groups)
         return out
 
     def _capacities(self, device) -> torch.Tensor:
@@ -425,7 +421,8 @@ def new_cache(
     windows at or above the context cost what a dynamic cache costs. ``crop_limit`` is how many
     of the last positions ``crop`` can always take back exactly. With ``kept_keys`` the prompt's
     last tokens read every key and each KV head keeps the far keys they read most
-    (:mod:`aah.hf.kept_keys`); later steps then take the ``masked`` route.
+    (:mod:`aah.hf.kept_keys`); later one-token steps then take the ``compiled attention`` route
+    (not ``compiled block``), which joins the kept keys to the windows' softmax.
     """
     specs = layer_specs(model)
     num_kv = kv_heads(model)

@@ -23,7 +23,8 @@ Only the cache's first call (the prompt, or the first chunk of a chunked prefill
 tail and keeps keys. A layer with its own sliding window reads its tail within that window
 and keeps no keys, since it must never read beyond it.
 
-KV memory grows by ``keys_per_head`` keys per KV head (``keys_per_head / T`` of a full cache),
+KV memory grows by at most ``keys_per_head`` keys per KV head (``keys_per_head / T`` of a full
+cache): a head keeps only far keys that exist (none where its window reaches the whole prompt),
 and the prefill's causal coverage by the tail rows' extra pairs (:func:`tail_coverage_pairs`);
 both are reported beside the windows' own.
 """
@@ -38,7 +39,7 @@ import torch.nn.functional as F
 
 from .patching import executed_coverage
 
-__all__ = ["KeptKeys", "KeptStore", "choose_kept", "kept_coverage", "tail_attention", "tail_coverage_pairs"]
+__all__ = ["KeptGroup", "KeptKeys", "KeptStore", "choose_kept", "kept_coverage", "tail_attention", "tail_coverage_pairs"]
 
 
 @dataclass(frozen=True)
@@ -60,22 +61,75 @@ class KeptKeys:
             raise ValueError(f"kept keys: pool_width must be odd, got {self.pool_width}")
 
 
-@dataclass
-class KeptStore:
-    """The keys one layer keeps: (B, KV heads, K, D) keys and values, their positions and which of
-    the K slots hold a key (a row with fewer far keys than K leaves some empty)."""
+@dataclass(eq=False)
+class KeptGroup:
+    """The keys kept by KV heads that share one ring capacity: (B, n, K, D) keys and values,
+    their positions (B, n, K) (-1 where empty) and which slots hold a key. ``K`` is the most any
+    of these heads keeps in any row, so heads with no far key to keep hold nothing."""
 
+    capacity: int
+    kv_heads: list[int]
     keys: torch.Tensor
     values: torch.Tensor
-    positions: torch.Tensor  # (B, KV, K), -1 where empty
-    valid: torch.Tensor  # (B, KV, K) bool
+    positions: torch.Tensor
+    valid: torch.Tensor
+
+
+@dataclass(eq=False)
+class KeptStore:
+    """What one layer keeps: one :class:`KeptGroup` per ring group of its window cache (in the
+    order of :attr:`aah.decode.rings.RingStore.groups`)."""
+
+    groups: list[KeptGroup]
+
+    @classmethod
+    def gather(cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+               ring_groups: Sequence) -> KeptStore:
+        """Keep the ``positions`` (B, H_kv, K) that :func:`choose_kept` chose (``valid`` ones first)
+        of ``keys``/``values`` (B, H_kv, T, D); each ring group (with ``capacity`` and ``kv_heads``)
+        gets only as many slots as its heads fill."""
+        groups = []
+        for ring in ring_groups:
+            heads = list(ring.kv_heads)
+            count = int(valid[:, heads].sum(-1).max())
+            pos, ok = positions[:, heads, :count], valid[:, heads, :count]
+            index = pos.clamp_min(0)[..., None]
+            groups.append(KeptGroup(
+                ring.capacity, heads,
+                keys[:, heads].gather(2, index.expand(-1, -1, -1, keys.shape[-1])),
+                values[:, heads].gather(2, index.expand(-1, -1, -1, values.shape[-1])),
+                pos.clone(), ok.clone(),
+            ))
+        return cls(groups)
+
+    def readable(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Per ring group: keys, values and valid flags, as :meth:`aah.decode.rings.RingStore.attend` reads them."""
+        return [(g.keys, g.values, g.valid) for g in self.groups]
+
+    def held(self) -> list[list[list[int]]]:
+        """The positions each row (first index) and KV head (second) holds, in increasing order."""
+        rows = self.groups[0].valid.shape[0]
+        held: list[list[list[int]]] = [[[] for _ in range(sum(len(g.kv_heads) for g in self.groups))]
+                                       for _ in range(rows)]
+        for g in self.groups:
+            for i, head in enumerate(g.kv_heads):
+                for row in range(rows):
+                    held[row][head] = g.positions[row, i][g.valid[row, i]].tolist()
+        return held
+
+    def forget_reached(self, length: int) -> None:
+        """After a crop back to ``length`` positions, drop the keys a later window reaches again (a
+        ring of capacity C serves windows that reach back to ``length - C + 1`` at the most)."""
+        for g in self.groups:
+            g.valid &= g.positions <= length - g.capacity
 
     def select_rows(self, select: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        for name in ("keys", "values", "positions", "valid"):
-            setattr(self, name, select(getattr(self, name)))
+        for g in self.groups:
+            for name in ("keys", "values", "positions", "valid"):
+                setattr(g, name, select(getattr(g, name)))
 
     def memory_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+        return sum(t.numel() * t.element_size() for g in self.groups for t in (g.keys, g.values))
 
 
 def tail_attention(

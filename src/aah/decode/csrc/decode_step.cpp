@@ -42,20 +42,29 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10:
 // q (B, H, D); keys, values (B, S, D): the rings of every KV head, KV head g in slots
 // [ring_start[g], ring_start[g] + capacity[g]), its sink tokens (positions 0..sinks-1) in the
 // sinks slots before; windows (H,) per query head; length: positions written so far (the new
-// one included). Returns (B, H, D) in q's dtype.
+// one included); lse: None, or a contiguous float32 (B, H) tensor that receives each row's
+// log-sum-exp of scaled scores. Returns (B, H, D) in q's dtype.
 at::Tensor ring_decode(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                        const at::Tensor& ring_start, const at::Tensor& capacity,
-                       const at::Tensor& windows, int64_t length, int64_t sinks, double scale) {
+                       const at::Tensor& windows, int64_t length, int64_t sinks, double scale,
+                       const c10::optional<at::Tensor>& lse) {
   check_rings(keys, values, ring_start, capacity, windows, length, sinks);
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.is_contiguous(), "q must be a contiguous 3-d CPU tensor");
   TORCH_CHECK(keys.scalar_type() == q.scalar_type(), "q, keys, values must share a dtype");
   TORCH_CHECK(keys.size(0) == q.size(0) && keys.size(2) == q.size(2),
               "keys and values must be (B, S, D) with q's B and D");
   TORCH_CHECK(windows.numel() == q.size(1), "one window per query head, one start and capacity per KV head");
+  const bool with_lse = lse.has_value() && lse->defined();
+  if (with_lse) {
+    TORCH_CHECK(lse->device().is_cpu() && lse->scalar_type() == at::kFloat && lse->is_contiguous() &&
+                    lse->numel() == q.size(0) * q.size(1),
+                "lse must be a contiguous float32 (B, H) CPU tensor");
+  }
   at::Tensor out = at::empty_like(q);
   const at::Tensor start = ring_start.contiguous(), cap = capacity.contiguous(), win = windows.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "ring_decode", [&] {
-    attend_rings<scalar_t>(q, keys, values, start, cap, win, length, sinks, scale, out);
+    attend_rings<scalar_t>(q, keys, values, start, cap, win, length, sinks, scale, out,
+                           with_lse ? lse->data_ptr<float>() : nullptr);
   });
   return out;
 }

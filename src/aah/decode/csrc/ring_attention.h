@@ -9,7 +9,9 @@
 // The work is cut into spans of at most kSpan entries of one (batch row, head),
 // spread over the threads; each span keeps its maximum score, the sum of its
 // exponentials and its weighted sum of values, and a second pass joins the spans
-// of a head by those sums (split-key attention, exact).
+// of a head by those sums (split-key attention, exact). With ``lse`` given, the step also
+// writes each (batch row, head)'s log-sum-exp of scaled scores there, so that a caller can
+// join more keys to the same softmax.
 //
 // Sink tokens (the first S positions, which pretrained models keep attending): the S slots
 // just before a KV head's ring hold positions 0..S-1; a query head reads those of them that
@@ -40,7 +42,7 @@ struct Span {
 template <typename scalar_t, int64_t kDim>
 void decode(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
             const at::Tensor& ring_start, const at::Tensor& capacity, const at::Tensor& windows,
-            int64_t length, int64_t sinks, double scale, at::Tensor& out) {
+            int64_t length, int64_t sinks, double scale, at::Tensor& out, float* lse) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t batch = q.size(0), heads = q.size(1);
   const int64_t dim = kDim > 0 ? kDim : q.size(2);
@@ -145,6 +147,7 @@ void decode(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& value
       }
       scalar_t* op = o_data + row * dim;
       for (int64_t d = 0; d < dim; ++d) op[d] = static_cast<scalar_t>(joined[d] / total);
+      if (lse != nullptr) lse[row] = static_cast<float>(top + std::log(total));
     }
   });
 }
@@ -182,12 +185,12 @@ inline void check_rings(const at::Tensor& keys, const at::Tensor& values, const 
 template <typename scalar_t>
 void attend_rings(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                   const at::Tensor& start, const at::Tensor& cap, const at::Tensor& win, int64_t length,
-                  int64_t sinks, double scale, at::Tensor& out) {
+                  int64_t sinks, double scale, at::Tensor& out, float* lse = nullptr) {
   switch (q.size(2)) {
-    case 32: decode<scalar_t, 32>(q, keys, values, start, cap, win, length, sinks, scale, out); break;
-    case 64: decode<scalar_t, 64>(q, keys, values, start, cap, win, length, sinks, scale, out); break;
-    case 128: decode<scalar_t, 128>(q, keys, values, start, cap, win, length, sinks, scale, out); break;
-    default: decode<scalar_t, 0>(q, keys, values, start, cap, win, length, sinks, scale, out);
+    case 32: decode<scalar_t, 32>(q, keys, values, start, cap, win, length, sinks, scale, out, lse); break;
+    case 64: decode<scalar_t, 64>(q, keys, values, start, cap, win, length, sinks, scale, out, lse); break;
+    case 128: decode<scalar_t, 128>(q, keys, values, start, cap, win, length, sinks, scale, out, lse); break;
+    default: decode<scalar_t, 0>(q, keys, values, start, cap, win, length, sinks, scale, out, lse);
   }
 }
 
