@@ -289,8 +289,8 @@ class RingStore:
         T, >= start + T), ``True`` (or 0.0) where a key position may be read (a padding mask).
         ``kept``: per ring group (in the order of :attr:`groups`), keys, values (B, n, K, D) of its
         ``n`` KV heads and a (B, n, K) flag of which hold a key, seen by every query of the heads
-        reading each KV head (far keys outside every window, :mod:`aah.hf.kept_keys`). Computes in the query's dtype (the stored entries are cast to
-        it); returns (B, H, T, D_v).
+        reading each KV head (far keys outside every window, :mod:`aah.hf.kept_keys`). Computes
+        in the query's dtype (the stored entries are cast to it); returns (B, H, T, D_v).
         """
         batch, _, new, _ = query.shape
         device, sinks = query.device, self.sinks
@@ -446,4 +446,3 @@ def _join_kept(
     kept_out = torch.matmul(torch.exp(scores - top[..., None]), values.float())  # unnormalised, scaled by 1/e^top
     joined = (out.float().view(batch, n, heads // n, -1) * ring_weight + kept_out) / (ring_weight + kept_weight)
     return joined.view(batch, heads, -1).to(out.dtype)
-
