@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..decode.rings import RingGroup, RingStore, joined_route, kv_capacities
+from ..decode.rings import RingGroup, RingStore, joined_route
 from ._transformers import require
 from .kept_keys import KeptKeys, KeptStore, choose_kept, tail_attention
 from .patching import (
@@ -316,7 +316,7 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         # Eligible: real keys, not sinks, that no window will read again (the ring holds the last
         # C positions; a later query's window of at most C reaches back to length - C + 1).
         pos = torch.arange(length, device=query.device)
-        capacity = self._capacities(query.device)
+        capacity = torch.tensor(self.store.capacities, device=query.device)
         real = visible[:, 0, -1].expand(keys.shape[0], -1)  # (B, T)
         first = self.sink_start[:, None]
         sink = (pos[None] >= first) & (pos[None] < first + self.sink_tokens)
@@ -328,10 +328,6 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         )
         self.kept = KeptStore.gather(keys, values, positions, valid, self.store.groups)
         return out
-
-    def _capacities(self, device) -> torch.Tensor:
-        """(KV heads,) ring capacity of each KV head: the last positions its ring holds."""
-        return torch.tensor(kv_capacities(self.windows, self.num_kv_heads, self.max_cache_len), device=device)
 
     def _find_sinks(self, start: int, attention_mask: torch.Tensor) -> None:
         """Rows with no real token stored yet (all of them in the first call; a row whose earlier
