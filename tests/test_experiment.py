@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from aah.config import ConfigError
+from aah.errors import CLIError
 from aah.experiment import load_suite, plan_runs, run_state, run_suite
 from aah.experiment.cli import run_experiment
 
@@ -102,6 +103,23 @@ def test_changed_overrides_do_not_reuse_old_runs(tiny_suite, tmp_path):
     assert len(failures) == 2
     assert all("different config" in detail and "optim.lr" in detail for _, _, detail in failures)
     assert all((d / "eval.json").stat().st_mtime_ns == t for d, t in before.items())
+
+
+def test_rows_run_only_the_named_rows_and_the_report_covers_every_finished_run(tiny_suite, tmp_path, capsys):
+    out = tmp_path / "out"
+    suite = load_suite(tiny_suite)
+    run_suite(suite, out, seeds=(0,), rows=("shallow_freeze",))
+    states = {s.name: run_state(s.run_dir) for s in plan_runs(suite, out)}
+    assert states == {"full_attention/seed0": "fresh", "shallow_freeze/seed0": "done",
+                      "full_attention/seed1": "fresh", "shallow_freeze/seed1": "fresh"}
+    assert run_experiment(str(tiny_suite), str(out), [0], 1, rows=["full_attention"]) == 0
+    states = {s.name: run_state(s.run_dir) for s in plan_runs(suite, out)}
+    assert [name for name, state in states.items() if state == "done"] == ["full_attention/seed0",
+                                                                           "shallow_freeze/seed0"]
+    report = (out / "report" / "report.md").read_text()
+    assert "2 run(s) of 2 regime(s)" in report  # shallow_freeze's run is the first call's
+    with pytest.raises(CLIError, match=r"--rows: unknown row\(s\) \['nope'\]; the suite's rows: full_attention, shallow_freeze"):
+        run_experiment(str(tiny_suite), str(out), None, 1, rows=["nope"])
 
 
 def _fake_calls(monkeypatch, behaviour):

@@ -1,4 +1,4 @@
-"""``aah experiment SUITE.yaml [--seeds 0 1 2] [--out DIR] [--jobs N] [key=value ...]``."""
+"""``aah experiment SUITE.yaml [--seeds 0 1 2] [--rows NAME ...] [--out DIR] [--jobs N] [key=value ...]``."""
 
 from __future__ import annotations
 
@@ -24,12 +24,14 @@ def add_commands(subparsers) -> None:
     p.add_argument("suite", metavar="SUITE.yaml")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides applied to every run")
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds (default: the suite's)")
+    p.add_argument("--rows", nargs="+", metavar="NAME", default=None,
+                   help="run only these rows of the suite's regimes (default: all); the report covers every finished run of the seeds")
     p.add_argument("--out", metavar="DIR", default=None, help="output folder (default: runs/<suite name>)")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time (default 1)")
     p.set_defaults(func=_run)
 
 
-def run_experiment(suite_path: str, out: str | None, seeds, jobs: int, overrides=()) -> int:
+def run_experiment(suite_path: str, out: str | None, seeds, jobs: int, overrides=(), rows=None) -> int:
     """Run a suite and write its report. A bad suite, override, seed or output folder raises
     :class:`CLIError` before any run starts; runs that fail are listed and give exit status 1."""
     if jobs < 1:
@@ -42,7 +44,8 @@ def run_experiment(suite_path: str, out: str | None, seeds, jobs: int, overrides
         if out_dir.exists() and not out_dir.is_dir():
             raise ConfigError(f"--out: {out_dir} is a file, not a folder")
         specs, failures = run_suite(
-            suite, out_dir, seeds=tuple(seeds) if seeds else None, jobs=jobs, extra_overrides=tuple(overrides)
+            suite, out_dir, seeds=tuple(seeds) if seeds else None, jobs=jobs, extra_overrides=tuple(overrides),
+            rows=tuple(rows) if rows else None,
         )
     except ConfigError as exc:
         raise CLIError(str(exc)) from None
@@ -68,4 +71,4 @@ def run_experiment(suite_path: str, out: str | None, seeds, jobs: int, overrides
 
 
 def _run(args: argparse.Namespace) -> int:
-    return run_experiment(args.suite, args.out, args.seeds, args.jobs, args.overrides)
+    return run_experiment(args.suite, args.out, args.seeds, args.jobs, args.overrides, args.rows)

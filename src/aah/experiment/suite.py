@@ -268,22 +268,31 @@ def run_suite(
     seeds: tuple[int, ...] | None = None,
     jobs: int = 1,
     extra_overrides: tuple[str, ...] = (),
+    rows: tuple[str, ...] | None = None,
 ) -> tuple[list[RunSpec], list[tuple[RunSpec, int, str]]]:
     """Run every pending (regime, seed); returns the plan and the failures (spec, code, detail).
+
+    ``rows`` (names of ``regimes``) runs only those rows, in the suite's order; the returned plan
+    still holds every row, so a report can cover the runs that other invocations finished.
 
     A run stopped by a signal (exit status :data:`INTERRUPTED`), or SIGINT / SIGTERM to the
     suite, stops it: no further run starts, and those left are failures with that status.
     """
     out_dir = Path(out_dir)
     specs = plan_runs(suite, out_dir, seeds, extra_overrides)
+    if rows is not None:
+        unknown = sorted(set(rows) - set(suite.regimes))
+        if unknown:
+            raise ConfigError(f"--rows: unknown row(s) {unknown}; the suite's rows: {', '.join(suite.regimes)}")
+    selected = [s for s in specs if rows is None or s.regime in rows]
     cores = os.cpu_count() or 1
     threads = max(1, cores // max(1, jobs))
     failures = []
-    pending = [s for s in specs if run_state(s.run_dir) != "done" or config_mismatch(s)]
-    total_steps = sum(s.max_steps for s in specs)
+    pending = [s for s in selected if run_state(s.run_dir) != "done" or config_mismatch(s)]
+    total_steps = sum(s.max_steps for s in selected)
     # Steps already logged (a resumed suite) are the bar's start, so its rate and time left count
     # only the steps this invocation runs.
-    bar = tqdm(total=total_steps, initial=_steps_done(specs), desc=f"suite {suite.name}", unit="step",
+    bar = tqdm(total=total_steps, initial=_steps_done(selected), desc=f"suite {suite.name}", unit="step",
                dynamic_ncols=True)
     finished = threading.Event()
     stopping = threading.Event()
@@ -291,7 +300,7 @@ def run_suite(
     def monitor() -> None:
         # A resumed run logs again from its last checkpoint: the bar never goes back.
         while not finished.wait(1.0):
-            bar.n = max(bar.n, _steps_done(specs))
+            bar.n = max(bar.n, _steps_done(selected))
             bar.refresh()
 
     watcher = threading.Thread(target=monitor, daemon=True)
@@ -306,7 +315,7 @@ def run_suite(
     finally:
         finished.set()
         watcher.join()
-        bar.n = max(bar.n, _steps_done(specs))
+        bar.n = max(bar.n, _steps_done(selected))
         bar.close()
     return specs, failures
 
