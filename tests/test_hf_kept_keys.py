@@ -11,7 +11,13 @@ transformers = pytest.importorskip("transformers")
 from aah import hf  # noqa: E402
 from aah.decode import ring_decode  # noqa: E402
 from aah.decode.rings import RingStore  # noqa: E402
-from aah.hf.kept_keys import KeptKeys, choose_kept, kept_coverage, tail_coverage_pairs  # noqa: E402
+from aah.hf.kept_keys import (  # noqa: E402
+    KeptKeys,
+    choose_kept,
+    kept_coverage,
+    rolling_coverage_pairs,
+    tail_coverage_pairs,
+)
 from aah.hf.patching import layer_specs  # noqa: E402
 from aah.windows import causal_coverage  # noqa: E402
 
@@ -29,11 +35,18 @@ class Reference:
     key; each KV head keeps the ``count`` positions (before the prompt's end less the largest
     window of its query heads, not sinks) with the most tail attention, summed over tail rows
     and its query heads, then maximised over the ``pool // 2`` positions on either side; later
-    rows see their window, the sinks and those positions."""
+    rows see their window, the sinks and those positions.
 
-    def __init__(self, windows, sinks: int, prompt_len: int, tail: int, count: int, pool: int):
+    With ``prefill`` > 0 (rolling kept keys), the prompt's rows from ``block`` on also see, block
+    by block, the ``prefill`` positions per KV head (not sinks, at most the block's first row
+    less the group's largest window) that the previous block's last ``tail`` rows attend to
+    most under causal attention, scored the same way."""
+
+    def __init__(self, windows, sinks: int, prompt_len: int, tail: int, count: int, pool: int,
+                 prefill: int = 0, block: int = 512):
         self.windows, self.sinks, self.prompt_len, self.tail, self.count = windows, sinks, prompt_len, tail, count
-        self.pool = pool
+        self.pool, self.prefill, self.block = pool, prefill, block
+        self.rolled: dict[int, list[list[list[int]]]] = {}  # layer -> block -> KV head -> positions
         self.kept: dict[int, list[list[int]]] = {}
         self.eligible: dict[int, list[int]] = {}
 
@@ -53,21 +66,36 @@ class Reference:
         self.eligible[module.layer_idx] = []
         allowed = torch.zeros(heads, length, length, dtype=torch.bool)
         tail_probs = torch.softmax(scores[:, first_tail:end, :end].masked_fill(~causal[first_tail:end, :end], -torch.inf), -1)
-        for j in range(kv_heads):
-            group = range(j * rep, (j + 1) * rep)
-            summed = tail_probs[list(group)].sum((0, 1))
+        def best(probs, group, before, reach, count):
+            """The ``count`` positions < ``before`` (past the sinks, at most ``before - reach``)
+            with the most pooled attention in ``probs`` (heads, rows, keys), and how many could be."""
+            summed = probs[list(group)].sum((0, 1))
             summed[: self.sinks] = 0.0  # the sinks lend no score to their neighbours
             r = self.pool // 2
-            score = [float(summed[max(0, p - r):p + r + 1].max()) for p in range(end)]
+            score = [float(summed[max(0, p - r):p + r + 1].max()) for p in range(before)]
+            eligible = [p for p in range(before) if p <= before - reach and p >= self.sinks]
+            return sorted(sorted(eligible, key=lambda p: -score[p])[:count]), len(eligible)
+
+        rolled = []
+        for a in range(self.block, end, self.block) if self.prefill else ():
+            rows = min(self.tail, a)
+            probs = torch.softmax(scores[:, a - rows:a, :a].masked_fill(~causal[a - rows:a, :a], -torch.inf), -1)
+            rolled.append([best(probs, range(j * rep, (j + 1) * rep), a,
+                                max(windows[j * rep:(j + 1) * rep]), self.prefill)[0] for j in range(kv_heads)])
+        self.rolled[module.layer_idx] = rolled
+        for j in range(kv_heads):
+            group = range(j * rep, (j + 1) * rep)
             # A later query at position >= end reads keys after q - window: position end - reach
             # is the last one no window of the group reads again.
             reach = max(windows[h] for h in group)
-            eligible = [p for p in range(end) if p <= end - reach and p >= self.sinks]
-            ranked = sorted(eligible, key=lambda p: -score[p])[: self.count]
-            kept_here.append(sorted(ranked))
-            self.eligible[module.layer_idx].append(len(eligible))
+            ranked, eligible = best(tail_probs, group, end, reach, self.count)
+            kept_here.append(ranked)
+            self.eligible[module.layer_idx].append(eligible)
             for h in group:
                 rule = causal & ((qpos - kpos < windows[h]) | (kpos < self.sinks))
+                for i, chosen in enumerate(rolled):
+                    a = (i + 1) * self.block
+                    rule[a:min(a + self.block, end), chosen[j]] = True
                 rule[first_tail:end] = causal[first_tail:end]
                 later = rule[end:]
                 later[:, ranked] = True
@@ -129,6 +157,84 @@ def test_kept_keys_decoding_equals_the_reference(case, route, llama, monkeypatch
         assert any(positions)
     # The tail changes what the prompt's last token predicts: the rule is not vacuous here.
     assert not torch.allclose(logits[-1], plain_logits, atol=1e-4)
+
+
+ROLLING = {
+    # name: (heads, kv heads, windows per layer, sinks, prompt length, tail, kept, pool, prefill keys, block)
+    "gqa_blocks_of_6": (4, 2, [[3, 3, 5, 5], [4, 4, 2, 2]], 2, 30, 4, 3, 1, 2, 6),
+    "gqa_pooled_uneven_blocks": (4, 2, [[3, 3, 5, 5], [4, 4, 2, 2]], 1, 29, 3, 3, 3, 3, 7),
+    "mha_one_long_head": (4, 4, [[3, 30, 2, 6], [2, 2, 4, 3]], 0, 26, 2, 2, 1, 4, 5),
+}
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("case", sorted(ROLLING))
+def test_rolling_kept_keys_equal_the_reference(case, llama):
+    """The prompt read in blocks that see the far keys the previous block's last rows read most,
+    then decoding with the kept keys: every logit against the float64 rule."""
+    heads, kv_heads, windows, sinks, prompt_len, tail, count, pool, prefill, block = ROLLING[case]
+    model = llama(heads, kv_heads)
+    hf.patch(model, torch.tensor(windows), sink_tokens=sinks)
+    prompt = _ids(prompt_len, seed=11)
+    spec = KeptKeys(tail, count, pool, prefill_keys=prefill, prefill_block=block)
+    cache = hf.new_cache(model, kept_keys=spec)
+    logits = model(prompt, past_key_values=cache, use_cache=True).logits[0]
+    without = model(prompt, past_key_values=hf.new_cache(model, kept_keys=KeptKeys(tail, count, pool)),
+                    use_cache=True).logits[0]
+    tokens, steps = [prompt], [logits[-1]]
+    for _ in range(4):
+        nxt = steps[-1].argmax()[None, None]
+        tokens.append(nxt)
+        steps.append(model(nxt, past_key_values=cache, use_cache=True).logits[0, -1])
+    seq = torch.cat(tokens, dim=1)
+
+    reference = Reference(windows, sinks, prompt_len, tail, count, pool, prefill, block)
+    transformers.AttentionInterface.register(REFERENCE, reference)
+    transformers.masking_utils.AttentionMaskInterface.register(REFERENCE, transformers.masking_utils.sdpa_mask)
+    model.set_attn_implementation(REFERENCE)
+    try:
+        expected = model(seq, use_cache=False).logits[0]
+    finally:
+        model.set_attn_implementation(hf.patching.AAH_IMPLEMENTATION)
+    torch.testing.assert_close(logits, expected[:prompt_len], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(torch.stack(steps[1:]), expected[prompt_len:], atol=2e-5, rtol=1e-4)
+    assert any(chosen for layer in reference.rolled.values() for block_keys in layer for chosen in block_keys)
+    # The blocks' kept keys change what the prompt's rows before the tail predict.
+    assert not torch.allclose(logits[block:prompt_len - tail], without[block:prompt_len - tail], atol=1e-4)
+
+
+@torch.no_grad()
+def test_rolling_kept_keys_of_a_left_padded_row_are_its_own(llama):
+    model = llama(4, 2)
+    hf.patch(model, torch.tensor([[3, 3, 5, 5], [4, 4, 2, 2]]), sink_tokens=2)
+    spec = KeptKeys(3, 2, prefill_keys=2, prefill_block=5)
+    long_prompt, short_prompt = _ids(22, seed=5), _ids(17, seed=6)
+    batch = torch.cat([long_prompt, torch.cat([torch.zeros(1, 5, dtype=torch.long), short_prompt], 1)])
+    mask = torch.ones_like(batch)
+    mask[1, :5] = 0
+    out = model.generate(batch, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                         past_key_values=hf.new_cache(model, kept_keys=spec))
+    for row, prompt, pad in ((0, long_prompt, 0), (1, short_prompt, 5)):
+        alone = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5, do_sample=False,
+                               pad_token_id=0, past_key_values=hf.new_cache(model, kept_keys=spec))
+        assert torch.equal(out[row, pad:], alone[0])
+
+
+def test_rolling_coverage_by_hand(llama):
+    # One KV head of 2 query heads with windows 3 and 4, 1 sink, T = 20, tail 2, blocks of 6, 2 keys:
+    # blocks start at 6 and 12 (rows 18, 19 are the tail's); far keys at a block start a are
+    # positions 1 .. a - 4: 2 at a = 6 (rows 6-11), 8 (so 2) at a = 12 (rows 12-17).
+    spec = KeptKeys(2, 5, prefill_keys=2, prefill_block=6)
+    assert rolling_coverage_pairs([3, 4], 1, 20, spec, 1) == 2 * (6 * 2 + 6 * 2)
+    assert rolling_coverage_pairs([3, 4], 1, 20, KeptKeys(2, 5, prefill_keys=1, prefill_block=6), 1) == 2 * 12
+    assert rolling_coverage_pairs([3, 19], 1, 20, spec, 1) == 0  # window and sink reach every key
+    model = llama(4, 2)
+    hf.patch(model, torch.tensor([[3, 3, 5, 5], [4, 4, 2, 2]]), sink_tokens=1)
+    _, plain = kept_coverage(layer_specs(model), 32, KeptKeys(4, 3), 2)
+    _, rolling = kept_coverage(layer_specs(model), 32, KeptKeys(4, 3, prefill_keys=2, prefill_block=8), 2)
+    pairs = sum(rolling_coverage_pairs(w, 1, 32, KeptKeys(4, 3, prefill_keys=2, prefill_block=8), 2)
+                for w in ([3, 3, 5, 5], [4, 4, 2, 2]))
+    assert pairs > 0 and rolling == pytest.approx(plain + pairs / (32 * 33 / 2 * 8))
 
 
 @torch.no_grad()
@@ -259,6 +365,8 @@ def test_tail_pairs_and_coverage_by_hand(llama):
     ({"tail_tokens": 0, "keys_per_head": 3}, "tail_tokens"),
     ({"tail_tokens": 2, "keys_per_head": -1}, "keys_per_head"),
     ({"tail_tokens": 2, "keys_per_head": 3, "pool_width": 4}, "pool_width must be odd"),
+    ({"tail_tokens": 2, "keys_per_head": 3, "prefill_keys": -1}, "prefill_keys must be an integer >= 0"),
+    ({"tail_tokens": 2, "keys_per_head": 3, "prefill_block": 0}, "prefill_block must be an integer >= 1"),
 ])
 def test_kept_keys_refuse_bad_sizes(bad, name):
     with pytest.raises(ValueError, match=name):

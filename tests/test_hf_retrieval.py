@@ -307,6 +307,33 @@ def test_retrieval_kept_keys_are_reported_and_are_another_run(model_dir, tmp_pat
     assert main(kept_argv) == 0  # the same kept keys: every answer from the journal
     with pytest.raises(AssertionError, match="decoded again"):
         main([*argv, "--tail-tokens", "8", "--kept-keys", "32"])
+    with pytest.raises(AssertionError, match="decoded again"):
+        main([*kept_argv, "--prefill-kept", "4", "--prefill-block", "64"])
+    capsys.readouterr()
+
+
+def test_retrieval_rolling_kept_keys_are_reported(model_dir, tmp_path, capsys):
+    """--prefill-kept/--prefill-block: the config says what ran and the causal coverage counts the
+    blocks' kept keys (rolling_coverage_pairs)."""
+    from aah.hf.kept_keys import KeptKeys, kept_coverage
+    from aah.hf.patching import kv_heads, layer_windows_for
+
+    out = tmp_path / "r.json"
+    argv = ["hf", "retrieval", str(model_dir / "model"), "--windows", str(model_dir / "w.safetensors"),
+            "--lengths", "400", "--depths", "0.5", "--trials", "1", "--settings", "aah",
+            "--tail-tokens", "8", "--kept-keys", "16", "--json", str(out)]
+    assert main([*argv, "--prefill-kept", "4", "--prefill-block", "64"]) == 0
+    rolling = json.loads(out.read_text())
+    assert (rolling["config"]["prefill_kept"], rolling["config"]["prefill_block"]) == (4, 64)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir / "model")
+    specs = layer_windows_for(model, load_windows(model_dir / "w.safetensors")[0], 4)
+    spec = KeptKeys(8, 16, prefill_keys=4, prefill_block=64)
+    facts = rolling["settings"]["aah"]["400"]
+    assert (facts["acr"], facts["causal_coverage"]) == pytest.approx(kept_coverage(specs, 400, spec, kv_heads(model)))
+    assert facts["causal_coverage"] > kept_coverage(specs, 400, KeptKeys(8, 16), kv_heads(model))[1]
+    assert main(argv) == 0
+    config = json.loads(out.read_text())["config"]
+    assert (config["prefill_kept"], config["prefill_block"]) == (0, None)
     capsys.readouterr()
 
 
@@ -328,6 +355,13 @@ def test_retrieval_command_refuses_bad_input(model_dir, capsys):
     assert "--sink-tokens must be >= 0" in _error([*base, "--lengths", "400", "--sink-tokens", "-1"], capsys)
     assert "go together" in _error([*base, "--lengths", "400", "--kept-keys", "16"], capsys)
     assert "--kept-pool needs" in _error([*base, "--lengths", "400", "--kept-pool", "3"], capsys)
+    assert "--prefill-kept needs --tail-tokens and --kept-keys" in _error(
+        [*base, "--lengths", "400", "--prefill-kept", "3"], capsys)
+    kept = [*base, "--lengths", "400", "--tail-tokens", "8", "--kept-keys", "16"]
+    assert "--prefill-block needs --prefill-kept >= 1" in _error([*kept, "--prefill-block", "64"], capsys)
+    assert "--prefill-kept must be >= 0, got -2" in _error([*kept, "--prefill-kept", "-2"], capsys)
+    assert "--prefill-block must be >= 1, got 0" in _error([*kept, "--prefill-kept", "2", "--prefill-block", "0"],
+                                                           capsys)
     assert "--tail-tokens must be >= 1" in _error([*base, "--lengths", "400", "--tail-tokens", "0", "--kept-keys", "4"],
                                                   capsys)
     assert "--kept-pool must be odd" in _error([*base, "--lengths", "400", "--tail-tokens", "4", "--kept-keys", "4",

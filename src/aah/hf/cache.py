@@ -44,7 +44,7 @@ import torch
 
 from ..decode.rings import RingGroup, RingStore, joined_route
 from ._transformers import require
-from .kept_keys import KeptKeys, KeptStore, choose_kept, tail_attention
+from .kept_keys import KeptKeys, KeptStore, choose_kept, rolling_kept_attention, tail_attention
 from .patching import (
     SPEC_ATTR,
     LayerWindows,
@@ -288,6 +288,10 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         def prefill() -> torch.Tensor:
             out = attend_without_cache(query, pending.keys, pending.values, attention_mask, scaling, spec)
             if self.kept_keys is not None:
+                if self.kept_keys.prefill_keys and spec.layer_window is None and query.shape[2] == pending.keys.shape[2]:
+                    out = rolling_kept_attention(query, pending.keys, pending.values, out, spec.windows,
+                                                 spec.sink_tokens, self._real_keys(attention_mask, query),
+                                                 self.kept_keys, scale)
                 out = self._read_tail_and_keep(query, pending.keys, pending.values, attention_mask, scale, spec, out)
             return out
 
@@ -328,6 +332,14 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         )
         self.kept = KeptStore.gather(keys, values, positions, valid, self.store.groups)
         return out
+
+    @staticmethod
+    def _real_keys(attention_mask: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor:
+        """(B, T): the prompt positions that hold tokens (what its last row may see)."""
+        length = query.shape[2]
+        if attention_mask is None:
+            return torch.ones(query.shape[0], length, dtype=torch.bool, device=query.device)
+        return visible_keys(1, length, attention_mask[:, :, -1:], query.device)[:, 0, 0].expand(query.shape[0], -1)
 
     def _find_sinks(self, start: int, attention_mask: torch.Tensor) -> None:
         """Rows with no real token stored yet (all of them in the first call; a row whose earlier

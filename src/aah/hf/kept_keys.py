@@ -23,6 +23,18 @@ Only the cache's first call (the prompt, or the first chunk of a chunked prefill
 tail and keeps keys. A layer with its own sliding window reads its tail within that window
 and keeps no keys, since it must never read beyond it.
 
+**Rolling kept keys in the prefill** (``prefill_keys`` > 0, ours). A fact far back in a long
+prompt is lost not only by the question's reading: the text after it, read through short
+windows, no longer refers to it, and at 8192 tokens that alone can make SmolLM2 miss a pass key
+that the question reads with full attention (docs/hf.md, "Kept keys"). The prompt is therefore
+read in blocks of ``prefill_block`` rows; before each block after the first, the last
+``tail_tokens`` rows of the previous one score every earlier key as above (their exact
+attention, summed, sinks zeroed, max-pooled), and each KV head whose windows leave keys behind
+gives the block's rows its ``prefill_keys`` best keys among those no window of its query heads
+reads from the block's first row on; the block's rows read them besides their windows and
+sinks (:func:`rolling_kept_attention`). This adds at most ``prefill_keys`` pairs per row and
+head to the causal coverage (:func:`rolling_coverage_pairs`) and nothing to the cache.
+
 KV memory grows by at most ``keys_per_head`` keys per KV head (``keys_per_head / T`` of a full
 cache): a head keeps only far keys that exist (none where its window reaches the whole prompt),
 and the prefill's causal coverage by the tail rows' extra pairs (:func:`tail_coverage_pairs`);
@@ -39,24 +51,32 @@ import torch.nn.functional as F
 
 from .patching import executed_coverage
 
-__all__ = ["KeptGroup", "KeptKeys", "KeptStore", "choose_kept", "kept_coverage", "tail_attention", "tail_coverage_pairs"]
+__all__ = [
+    "KeptGroup", "KeptKeys", "KeptStore", "choose_kept", "kept_coverage", "rolling_coverage_pairs",
+    "rolling_kept_attention", "tail_attention", "tail_coverage_pairs",
+]
 
 
 @dataclass(frozen=True)
 class KeptKeys:
     """How many prompt positions read everything (``tail_tokens``), how many far keys each KV
     head keeps from their reading (``keys_per_head``) and over how many neighbouring positions
-    a key's score is max-pooled (``pool_width``, odd; 1: no pooling)."""
+    a key's score is max-pooled (``pool_width``, odd; 1: no pooling); with ``prefill_keys`` > 0,
+    each block of ``prefill_block`` prompt rows also reads that many far keys per KV head,
+    chosen by the last ``tail_tokens`` rows of the block before (rolling kept keys)."""
 
     tail_tokens: int
     keys_per_head: int
     pool_width: int = 7
+    prefill_keys: int = 0
+    prefill_block: int = 512
 
     def __post_init__(self) -> None:
-        for name in ("tail_tokens", "keys_per_head", "pool_width"):
+        for name, least in (("tail_tokens", 1), ("keys_per_head", 1), ("pool_width", 1), ("prefill_keys", 0),
+                            ("prefill_block", 1)):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"kept keys: {name} must be an integer >= 1, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"kept keys: {name} must be an integer >= {least}, got {value!r}")
         if self.pool_width % 2 == 0:
             raise ValueError(f"kept keys: pool_width must be odd, got {self.pool_width}")
 
@@ -178,6 +198,117 @@ def choose_kept(
     return torch.where(valid, positions, torch.full_like(positions, -1)), valid
 
 
+def rolling_kept_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    windows: Sequence[int],
+    sink_tokens: int,
+    real: torch.Tensor,
+    kept: KeptKeys,
+    scale: float,
+) -> torch.Tensor:
+    """A windowed prefill's output ``out`` (B, H, T, D) with rolling kept keys (module docstring).
+
+    ``query`` (B, H, T, D), ``key``/``value`` (B, H_kv, T, D) the prompt's; ``windows`` (H,) and
+    ``sink_tokens`` its layer's; ``real`` (B, T) the positions holding tokens (padding and other
+    hidden keys are read by no row); a row's blocks and its sinks start at its first token. Rows of blocks that get kept keys are recomputed for the query heads of the
+    KV heads whose windows leave keys behind; everything else of ``out`` is returned as it is.
+    """
+    heads, kv_heads = query.shape[1], key.shape[1]
+    group = heads // kv_heads
+    reach = [max(windows[g * group:(g + 1) * group]) for g in range(kv_heads)]
+    length = query.shape[2]
+    short = [g for g in range(kv_heads) if reach[g] + sink_tokens < length]
+    if kept.prefill_keys == 0 or not short:
+        return out
+    out = out.clone()
+    short_heads = [g * group + i for g in short for i in range(group)]
+    for row in range(query.shape[0]):
+        held = real[row].nonzero().flatten()
+        if held.numel() == 0:
+            continue
+        first, last = int(held[0]), int(held[-1]) + 1
+        span = slice(first, last)
+        out[row, short_heads, span] = _rolling_row(
+            query[row, short_heads, span], key[row, short, span], value[row, short, span], real[row, span],
+            out[row, short_heads, span], [windows[h] for h in short_heads], [reach[g] for g in short],
+            sink_tokens, kept, scale,
+        )
+    return out
+
+
+def _rolling_row(query, key, value, present, out, windows, reach, sink_tokens, kept: KeptKeys, scale):
+    """:func:`rolling_kept_attention` for one row's tokens: ``query`` (H, n, D) of the heads of
+    KV heads ``key``/``value`` (H_kv, n, D), whose groups reach back ``reach`` keys; ``present``
+    (n,) the positions that hold tokens (the first and last do)."""
+    heads, length = query.shape[0], query.shape[1]
+    kv_heads = key.shape[0]
+    group = heads // kv_heads
+    pos = torch.arange(length, device=query.device)
+    sinks = min(sink_tokens, length)
+    out = out.clone()
+    for start in range(kept.prefill_block, length, kept.prefill_block):
+        stop = min(length, start + kept.prefill_block)
+        # The previous block's last rows score every earlier key with their exact attention.
+        tail = min(kept.tail_tokens, start)
+        seen = ((pos[None, :start] <= pos[start - tail:start, None]) & present[None, :start])[None, None]
+        _, probs = tail_attention(query[None, :, start - tail:start], key[None, :, :start], value[None, :, :start],
+                                  seen, scale)
+        probs[..., :sinks] = 0.0  # the sinks lend no score to their neighbours
+        limit = torch.tensor(reach, device=query.device)[:, None]
+        eligible = (pos[None, :start] >= sinks) & (pos[None, :start] <= start - limit) & present[None, :start]
+        if not bool(eligible.any()):
+            continue
+        positions, valid = choose_kept(probs, kv_heads, eligible[None], kept.prefill_keys, kept.pool_width)
+        positions, valid = positions[0], valid[0]  # (H_kv, K)
+        # The block's rows read their sinks (those before their window), the kept keys (all before
+        # every window of the group) and their window, once each; the heads of one window at a time,
+        # so that each reads only its own span.
+        index = positions.clamp_min(0)[..., None].expand(-1, -1, key.shape[-1])
+        kept_keys = key.gather(1, index).repeat_interleave(group, 0)
+        kept_values = value.gather(1, index).repeat_interleave(group, 0)
+        kept_valid = valid.repeat_interleave(group, 0)  # (H, K)
+        rows = pos[start:stop, None]
+        for width in sorted(set(windows)):
+            heads_here = [h for h, w in enumerate(windows) if w == width]
+            kv = [h // group for h in heads_here]
+            low = max(0, start - width + 1)
+            keys = torch.cat([key[kv, :sinks], kept_keys[heads_here], key[kv, low:stop]], 1)
+            values = torch.cat([value[kv, :sinks], kept_values[heads_here], value[kv, low:stop]], 1)
+            local = pos[None, low:stop]
+            allowed = torch.cat([
+                ((pos[None, :sinks] <= rows - width) & present[None, :sinks]).expand(len(heads_here), -1, -1),
+                kept_valid[heads_here][:, None, :].expand(-1, stop - start, -1),
+                ((local <= rows) & (rows - local < width) & present[None, low:stop]).expand(len(heads_here), -1, -1),
+            ], -1)
+            out[heads_here, start:stop] = F.scaled_dot_product_attention(
+                query[None, heads_here, start:stop], keys[None], values[None], attn_mask=allowed[None], scale=scale
+            )[0]
+    return out
+
+
+def rolling_coverage_pairs(
+    windows: Sequence[int], sink_tokens: int, seq_len: int, kept: KeptKeys, num_kv_heads: int
+) -> int:
+    """(query, key) pairs the rows of a ``seq_len`` prompt before its last ``tail_tokens`` read
+    through rolling kept keys (:func:`rolling_kept_attention`), for one layer's ``windows``."""
+    if kept.prefill_keys == 0:
+        return 0
+    group = len(windows) // num_kv_heads
+    pairs = 0
+    end = max(0, seq_len - kept.tail_tokens)  # the tail's rows read every key anyway
+    for g in range(num_kv_heads):
+        reach = max(windows[g * group:(g + 1) * group])
+        if reach + sink_tokens >= seq_len:
+            continue
+        for start in range(kept.prefill_block, end, kept.prefill_block):
+            far = max(0, start - reach + 1 - sink_tokens)  # positions sinks .. start - reach
+            pairs += group * (min(end, start + kept.prefill_block) - start) * min(kept.prefill_keys, far)
+    return pairs
+
+
 def tail_coverage_pairs(
     windows: Sequence[int], sink_tokens: int, seq_len: int, tail_tokens: int, layer_window: int | None = None
 ) -> int:
@@ -197,7 +328,8 @@ def kept_coverage(specs: Sequence, seq_len: int, kept: KeptKeys, num_kv_heads: i
     """ACR and causal coverage of a ``seq_len`` prompt read with ``kept`` over the layers' windows
     ``specs`` (:class:`aah.hf.patching.LayerWindows`): each head holds its window and its sinks,
     plus its KV head's kept keys (at most the positions no window reads again, none in a layer
-    with its own sliding window), and the tail rows read every earlier key."""
+    with its own sliding window), and the tail rows read every earlier key (the other rows also
+    their blocks' rolling kept keys, where ``kept.prefill_keys`` > 0)."""
     heads = sum(len(spec.windows) for spec in specs)
     ratio = 0.0
     for spec in specs:
@@ -209,5 +341,7 @@ def kept_coverage(specs: Sequence, seq_len: int, kept: KeptKeys, num_kv_heads: i
                 held += min(kept.keys_per_head, max(0, seq_len - reach + 1 - spec.sink_tokens))
             ratio += min(held, seq_len) / seq_len
     tail = sum(tail_coverage_pairs(spec.windows, spec.sink_tokens, seq_len, kept.tail_tokens, spec.layer_window)
+               + (0 if spec.layer_window is not None
+                  else rolling_coverage_pairs(spec.windows, spec.sink_tokens, seq_len, kept, num_kv_heads))
                for spec in specs)
     return ratio / heads, executed_coverage(None, seq_len, specs)[1] + tail / (seq_len * (seq_len + 1) // 2 * heads)

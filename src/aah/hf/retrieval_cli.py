@@ -114,6 +114,8 @@ def _retrieval(args: argparse.Namespace) -> int:
         override = b"" if sinks == file_sinks else f"|sinks{sinks}".encode()
         if kept is not None:
             override += f"|tail{kept.tail_tokens}|kept{kept.keys_per_head}|pool{kept.pool_width}".encode()
+            if kept.prefill_keys:
+                override += f"|roll{kept.prefill_keys}/{kept.prefill_block}".encode()
         windows_tag = hashlib.sha256(Path(args.windows).read_bytes() + override).hexdigest()[:16]
         journal = AnswerJournal(args.answers, model_tag, windows_tag)
     outputs: dict[str, list[str]] = {name: [] for name in wanted}

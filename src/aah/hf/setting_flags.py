@@ -11,7 +11,8 @@ __all__ = ["add_setting_flags", "kept_keys_config", "setting_flags"]
 
 
 def add_setting_flags(parser: argparse.ArgumentParser) -> None:
-    """Add ``--sink-tokens``, ``--tail-tokens``, ``--kept-keys`` and ``--kept-pool``."""
+    """Add ``--sink-tokens``, ``--tail-tokens``, ``--kept-keys``, ``--kept-pool``, ``--prefill-kept``
+    and ``--prefill-block``."""
     parser.add_argument("--sink-tokens", type=int, metavar="N",
                         help="sink tokens of the aah and uniform settings instead of the windows file's: the first "
                              "N prompt tokens stay visible to every head (for example a task instruction at the start)")
@@ -23,6 +24,12 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
                              "most (scores max-pooled over --kept-pool neighbouring positions)")
     parser.add_argument("--kept-pool", type=int, metavar="P",
                         help="with --kept-keys: odd width of the max-pooling of the key scores (default 7; 1: none)")
+    parser.add_argument("--prefill-kept", type=int, metavar="K",
+                        help="with --kept-keys: rolling kept keys, each block of --prefill-block prompt rows also "
+                             "reads the K far keys per KV head that the previous block's last --tail-tokens rows "
+                             "read most (default 0: off; ours, docs/hf.md 'Rolling kept keys')")
+    parser.add_argument("--prefill-block", type=int, metavar="N",
+                        help="with --prefill-kept: prompt rows per block (default 512)")
 
 
 def setting_flags(args: argparse.Namespace):
@@ -37,27 +44,37 @@ def _kept_keys(args: argparse.Namespace):
     """The :class:`aah.hf.kept_keys.KeptKeys` of the flags (``--tail-tokens`` and ``--kept-keys``
     both or neither), or ``None``."""
     tail_tokens, kept_keys, pool = args.tail_tokens, args.kept_keys, args.kept_pool
+    prefill, block = args.prefill_kept, args.prefill_block
     if tail_tokens is None and kept_keys is None:
-        if pool is not None:
-            raise CLIError("--kept-pool needs --tail-tokens and --kept-keys")
+        for flag, value in (("--kept-pool", pool), ("--prefill-kept", prefill), ("--prefill-block", block)):
+            if value is not None:
+                raise CLIError(f"{flag} needs --tail-tokens and --kept-keys")
         return None
     if tail_tokens is None or kept_keys is None:
         raise CLIError("--tail-tokens and --kept-keys go together: give both or neither")
+    if block is not None and not prefill:
+        raise CLIError("--prefill-block needs --prefill-kept >= 1")
     from .kept_keys import KeptKeys
 
     pool = KeptKeys.pool_width if pool is None else pool
-    for flag, value in (("--tail-tokens", tail_tokens), ("--kept-keys", kept_keys), ("--kept-pool", pool)):
-        if value < 1:
-            raise CLIError(f"{flag} must be >= 1, got {value}")
+    prefill = 0 if prefill is None else prefill
+    block = KeptKeys.prefill_block if block is None else block
+    for flag, value, least in (("--tail-tokens", tail_tokens, 1), ("--kept-keys", kept_keys, 1),
+                               ("--kept-pool", pool, 1), ("--prefill-kept", prefill, 0), ("--prefill-block", block, 1)):
+        if value < least:
+            raise CLIError(f"{flag} must be >= {least}, got {value}")
     if pool % 2 == 0:
         raise CLIError(f"--kept-pool must be odd, got {pool}")
-    return KeptKeys(tail_tokens, kept_keys, pool)
+    return KeptKeys(tail_tokens, kept_keys, pool, prefill, block)
 
 
 def kept_keys_config(kept) -> dict:
-    """The JSON config keys ``tail_tokens``, ``kept_keys`` and ``kept_pool`` (None without kept keys)."""
+    """The JSON config keys ``tail_tokens``, ``kept_keys``, ``kept_pool``, ``prefill_kept`` and
+    ``prefill_block`` (None without kept keys; ``prefill_block`` None without rolling kept keys)."""
     return {
         "tail_tokens": None if kept is None else kept.tail_tokens,
         "kept_keys": None if kept is None else kept.keys_per_head,
         "kept_pool": None if kept is None else kept.pool_width,
+        "prefill_kept": None if kept is None else kept.prefill_keys,
+        "prefill_block": None if kept is None or not kept.prefill_keys else kept.prefill_block,
     }
