@@ -105,6 +105,29 @@ class Reference:
         return (probs @ v).to(query.dtype)[None].transpose(1, 2).contiguous(), None
 
 
+def _greedy(model, cache, prompt: torch.Tensor, new_tokens: int):
+    """The prompt's logits through ``cache``, then ``new_tokens`` greedy steps: (prompt logits,
+    the steps' logits, the whole sequence)."""
+    logits = model(prompt, past_key_values=cache, use_cache=True).logits[0]
+    tokens, steps = [prompt], [logits[-1]]
+    for _ in range(new_tokens):
+        nxt = steps[-1].argmax()[None, None]
+        tokens.append(nxt)
+        steps.append(model(nxt, past_key_values=cache, use_cache=True).logits[0, -1])
+    return logits, torch.stack(steps[1:]), torch.cat(tokens, dim=1)
+
+
+def _reference_logits(model, reference: Reference, seq: torch.Tensor) -> torch.Tensor:
+    """``seq``'s logits with every layer attending through ``reference``, without a cache."""
+    transformers.AttentionInterface.register(REFERENCE, reference)
+    transformers.masking_utils.AttentionMaskInterface.register(REFERENCE, transformers.masking_utils.sdpa_mask)
+    model.set_attn_implementation(REFERENCE)
+    try:
+        return model(seq, use_cache=False).logits[0]
+    finally:
+        model.set_attn_implementation(hf.patching.AAH_IMPLEMENTATION)
+
+
 CASES = {
     # name: (heads, kv heads, windows per layer, sinks, prompt length, tail, kept per KV head, pool)
     "gqa_kv_group_with_sinks": (4, 2, [[3, 3, 5, 5], [4, 4, 2, 2]], 2, 24, 4, 3, 1),
@@ -129,27 +152,14 @@ def test_kept_keys_decoding_equals_the_reference(case, route, llama, monkeypatch
     hf.patch(model, torch.tensor(windows), sink_tokens=sinks)
     prompt = _ids(prompt_len, seed=3)
     cache = hf.new_cache(model, kept_keys=KeptKeys(tail, count, pool))
-    plain = hf.new_cache(model)
-    logits = model(prompt, past_key_values=cache, use_cache=True).logits[0]
-    plain_logits = model(prompt, past_key_values=plain, use_cache=True).logits[0, -1]
-    tokens, steps = [prompt], [logits[-1]]
-    for _ in range(6):
-        nxt = steps[-1].argmax()[None, None]
-        tokens.append(nxt)
-        steps.append(model(nxt, past_key_values=cache, use_cache=True).logits[0, -1])
+    plain_logits = model(prompt, past_key_values=hf.new_cache(model), use_cache=True).logits[0, -1]
+    logits, steps, seq = _greedy(model, cache, prompt, 6)
     assert hf.cache_route(cache) == route
-    seq = torch.cat(tokens, dim=1)
 
     reference = Reference(windows, sinks, prompt_len, tail, count, pool)
-    transformers.AttentionInterface.register(REFERENCE, reference)
-    transformers.masking_utils.AttentionMaskInterface.register(REFERENCE, transformers.masking_utils.sdpa_mask)
-    model.set_attn_implementation(REFERENCE)
-    try:
-        expected = model(seq, use_cache=False).logits[0]
-    finally:
-        model.set_attn_implementation(hf.patching.AAH_IMPLEMENTATION)
+    expected = _reference_logits(model, reference, seq)
     torch.testing.assert_close(logits, expected[:prompt_len], atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(torch.stack(steps[1:]), expected[prompt_len:], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(steps, expected[prompt_len:], atol=2e-5, rtol=1e-4)
     for layer, cache_layer in enumerate(cache.layers):
         positions = cache_layer.kept.held()[0]
         assert positions == reference.kept[layer]
@@ -177,47 +187,17 @@ def test_rolling_kept_keys_equal_the_reference(case, llama):
     hf.patch(model, torch.tensor(windows), sink_tokens=sinks)
     prompt = _ids(prompt_len, seed=11)
     spec = KeptKeys(tail, count, pool, prefill_keys=prefill, prefill_block=block)
-    cache = hf.new_cache(model, kept_keys=spec)
-    logits = model(prompt, past_key_values=cache, use_cache=True).logits[0]
     without = model(prompt, past_key_values=hf.new_cache(model, kept_keys=KeptKeys(tail, count, pool)),
                     use_cache=True).logits[0]
-    tokens, steps = [prompt], [logits[-1]]
-    for _ in range(4):
-        nxt = steps[-1].argmax()[None, None]
-        tokens.append(nxt)
-        steps.append(model(nxt, past_key_values=cache, use_cache=True).logits[0, -1])
-    seq = torch.cat(tokens, dim=1)
+    logits, steps, seq = _greedy(model, hf.new_cache(model, kept_keys=spec), prompt, 4)
 
     reference = Reference(windows, sinks, prompt_len, tail, count, pool, prefill, block)
-    transformers.AttentionInterface.register(REFERENCE, reference)
-    transformers.masking_utils.AttentionMaskInterface.register(REFERENCE, transformers.masking_utils.sdpa_mask)
-    model.set_attn_implementation(REFERENCE)
-    try:
-        expected = model(seq, use_cache=False).logits[0]
-    finally:
-        model.set_attn_implementation(hf.patching.AAH_IMPLEMENTATION)
+    expected = _reference_logits(model, reference, seq)
     torch.testing.assert_close(logits, expected[:prompt_len], atol=2e-5, rtol=1e-4)
-    torch.testing.assert_close(torch.stack(steps[1:]), expected[prompt_len:], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(steps, expected[prompt_len:], atol=2e-5, rtol=1e-4)
     assert any(chosen for layer in reference.rolled.values() for block_keys in layer for chosen in block_keys)
     # The blocks' kept keys change what the prompt's rows before the tail predict.
     assert not torch.allclose(logits[block:prompt_len - tail], without[block:prompt_len - tail], atol=1e-4)
-
-
-@torch.no_grad()
-def test_rolling_kept_keys_of_a_left_padded_row_are_its_own(llama):
-    model = llama(4, 2)
-    hf.patch(model, torch.tensor([[3, 3, 5, 5], [4, 4, 2, 2]]), sink_tokens=2)
-    spec = KeptKeys(3, 2, prefill_keys=2, prefill_block=5)
-    long_prompt, short_prompt = _ids(22, seed=5), _ids(17, seed=6)
-    batch = torch.cat([long_prompt, torch.cat([torch.zeros(1, 5, dtype=torch.long), short_prompt], 1)])
-    mask = torch.ones_like(batch)
-    mask[1, :5] = 0
-    out = model.generate(batch, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
-                         past_key_values=hf.new_cache(model, kept_keys=spec))
-    for row, prompt, pad in ((0, long_prompt, 0), (1, short_prompt, 5)):
-        alone = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5, do_sample=False,
-                               pad_token_id=0, past_key_values=hf.new_cache(model, kept_keys=spec))
-        assert torch.equal(out[row, pad:], alone[0])
 
 
 def test_rolling_coverage_by_hand(llama):
@@ -270,19 +250,22 @@ def test_a_head_holds_only_the_far_keys_that_exist(llama):
 
 
 @torch.no_grad()
-def test_left_padded_rows_keep_what_each_prompt_keeps_alone(llama):
+@pytest.mark.parametrize("spec, long_len, short_len", [
+    (KeptKeys(3, 2), 18, 13),
+    (KeptKeys(3, 2, prefill_keys=2, prefill_block=5), 22, 17),  # rolling: blocks count from a row's first token
+], ids=["kept", "rolling"])
+def test_left_padded_rows_keep_what_each_prompt_keeps_alone(spec, long_len, short_len, llama):
     model = llama(4, 2)
     hf.patch(model, torch.tensor([[3, 3, 5, 5], [4, 4, 2, 2]]), sink_tokens=2)
-    spec = KeptKeys(3, 2)
-    long_prompt, short_prompt = _ids(18, seed=5), _ids(13, seed=6)
+    long_prompt, short_prompt = _ids(long_len, seed=5), _ids(short_len, seed=6)
     batch = torch.cat([long_prompt, torch.cat([torch.zeros(1, 5, dtype=torch.long), short_prompt], 1)])
     mask = torch.ones_like(batch)
     mask[1, :5] = 0
     out = model.generate(batch, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
                          past_key_values=hf.new_cache(model, kept_keys=spec))
     for row, prompt, pad in ((0, long_prompt, 0), (1, short_prompt, 5)):
-        alone = model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0,
-                               past_key_values=hf.new_cache(model, kept_keys=spec))
+        alone = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5, do_sample=False,
+                               pad_token_id=0, past_key_values=hf.new_cache(model, kept_keys=spec))
         assert torch.equal(out[row, pad:], alone[0])
 
 
