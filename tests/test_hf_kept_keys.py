@@ -16,6 +16,7 @@ from aah.hf.kept_keys import (  # noqa: E402
     choose_kept,
     kept_coverage,
     rolling_coverage_pairs,
+    rolling_kept_attention,
     tail_coverage_pairs,
 )
 from aah.hf.patching import layer_specs  # noqa: E402
@@ -198,6 +199,27 @@ def test_rolling_kept_keys_equal_the_reference(case, llama):
     assert any(chosen for layer in reference.rolled.values() for block_keys in layer for chosen in block_keys)
     # The blocks' kept keys change what the prompt's rows before the tail predict.
     assert not torch.allclose(logits[block:prompt_len - tail], without[block:prompt_len - tail], atol=1e-4)
+
+
+def test_rolling_kept_keys_leave_hidden_rows_as_they_were():
+    """A position the mask hides is read by no row; its own row, which may see no key at all
+    (window 1, no sink before it), keeps the windowed pass's output instead of a NaN."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 2, 12, 4), torch.randn(1, 1, 12, 4), torch.randn(1, 1, 12, 4)
+    windowed = torch.randn(1, 2, 12, 4)
+    real = torch.ones(1, 12, dtype=torch.bool)
+    real[0, 7] = False
+    out = rolling_kept_attention(q, k, v, windowed, [1, 2], 0, real, KeptKeys(2, 3, 1, prefill_keys=2, prefill_block=4),
+                                 0.5)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[0, :, 7], windowed[0, :, 7])
+    assert not torch.allclose(out[0, :, 4:7], windowed[0, :, 4:7])  # the block's other rows were recomputed
+    # Row 8 (head 1, window 2) reads its own key and the kept keys, never the hidden key 7.
+    changed = v.clone()
+    changed[0, 0, 7] += 100.0
+    again = rolling_kept_attention(q, k, changed, windowed, [1, 2], 0, real,
+                                   KeptKeys(2, 3, 1, prefill_keys=2, prefill_block=4), 0.5)
+    torch.testing.assert_close(again[0, :, 8:], out[0, :, 8:])
 
 
 def test_rolling_coverage_by_hand(llama):

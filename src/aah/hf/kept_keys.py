@@ -213,8 +213,9 @@ def rolling_kept_attention(
 
     ``query`` (B, H, T, D), ``key``/``value`` (B, H_kv, T, D) the prompt's; ``windows`` (H,) and
     ``sink_tokens`` its layer's; ``real`` (B, T) the positions holding tokens (padding and other
-    hidden keys are read by no row); a row's blocks and its sinks start at its first token. Rows of blocks that get kept keys are recomputed for the query heads of the
-    KV heads whose windows leave keys behind; everything else of ``out`` is returned as it is.
+    hidden keys are read by no row); a row's blocks and its sinks start at its first token. The
+    rows of blocks that get kept keys are recomputed for the query heads of the KV heads whose
+    windows leave keys behind; everything else of ``out`` (hidden rows too) is returned as it is.
     """
     heads, kv_heads = query.shape[1], key.shape[1]
     group = heads // kv_heads
@@ -283,9 +284,11 @@ def _rolling_row(query, key, value, present, out, windows, reach, sink_tokens, k
                 kept_valid[heads_here][:, None, :].expand(-1, stop - start, -1),
                 ((local <= rows) & (rows - local < width) & present[None, low:stop]).expand(len(heads_here), -1, -1),
             ], -1)
-            out[heads_here, start:stop] = F.scaled_dot_product_attention(
+            block = F.scaled_dot_product_attention(
                 query[None, heads_here, start:stop], keys[None], values[None], attn_mask=allowed[None], scale=scale
             )[0]
+            # A hidden row may see no key at all here: it keeps what the windowed pass gave it.
+            out[heads_here, start:stop] = torch.where(present[start:stop, None], block, out[heads_here, start:stop])
     return out
 
 
