@@ -249,6 +249,7 @@ def _rolling_row(query, key, value, present, out, windows, reach, sink_tokens, k
     group = heads // kv_heads
     pos = torch.arange(length, device=query.device)
     sinks = min(sink_tokens, length)
+    limit = torch.tensor(reach, device=query.device)[:, None]  # (H_kv, 1)
     out = out.clone()
     for start in range(kept.prefill_block, length, kept.prefill_block):
         stop = min(length, start + kept.prefill_block)
@@ -258,7 +259,6 @@ def _rolling_row(query, key, value, present, out, windows, reach, sink_tokens, k
         _, probs = tail_attention(query[None, :, start - tail:start], key[None, :, :start], value[None, :, :start],
                                   seen, scale)
         probs[..., :sinks] = 0.0  # the sinks lend no score to their neighbours
-        limit = torch.tensor(reach, device=query.device)[:, None]
         eligible = (pos[None, :start] >= sinks) & (pos[None, :start] <= start - limit) & present[None, :start]
         if not bool(eligible.any()):
             continue
