@@ -165,3 +165,94 @@ def test_sigterm_to_the_suite_starts_no_new_run_and_restores_the_handlers(tiny_s
     assert failures[0][2].startswith("trained, not evaluated")
     assert {f[2] for f in failures[1:]} == {"not started: the suite was stopped"}
     assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
+def _no_runs(monkeypatch):
+    """Any run subprocess the suite starts fails the test (the calls are returned too)."""
+    return _fake_calls(monkeypatch, lambda cmd: pytest.fail(f"a run was started: {cmd[3:5]}"))
+
+
+def test_records_keep_finished_runs_and_a_fresh_output_folder_takes_them(tiny_suite, tmp_path, monkeypatch, capsys):
+    from aah.experiment import RECORD_FILES
+
+    records = tmp_path / "records"
+    assert run_experiment(str(tiny_suite), str(tmp_path / "first"), None, 1, records=str(records)) == 0
+    kept = sorted(p.relative_to(records).as_posix() for p in records.rglob("*") if p.is_file())
+    assert kept == sorted(f"{row}/seed{seed}/{name}" for row in ("full_attention", "shallow_freeze")
+                          for seed in (0, 1) for name in RECORD_FILES)  # no checkpoints, nothing else
+    capsys.readouterr()
+
+    _no_runs(monkeypatch)  # a fresh folder (another machine, a clean clone) trains nothing again
+    out = tmp_path / "second"
+    assert run_experiment(str(tiny_suite), str(out), None, 1, records=str(records)) == 0
+    specs = plan_runs(load_suite(tiny_suite), out)
+    assert all(run_state(s.run_dir) == "done" for s in specs)
+    for s in specs:
+        assert (s.run_dir / "eval.json").read_bytes() == (records / s.regime / f"seed{s.seed}" / "eval.json").read_bytes()
+    assert "4 run(s) of 2 regime(s)" in (out / "report" / "report.md").read_text()
+    assert capsys.readouterr().err.count("restored ") == 4
+
+
+def test_runs_finished_before_records_were_asked_for_are_recorded(tiny_suite, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    suite = load_suite(tiny_suite)
+    run_suite(suite, out, seeds=(0,))
+    _no_runs(monkeypatch)
+    records = tmp_path / "records"
+    _, failures = run_suite(suite, out, seeds=(0,), records=records)
+    assert not failures
+    assert sorted(p.parent.name for p in records.glob("*/seed0")) == ["full_attention", "shallow_freeze"]
+    assert "recorded full_attention/seed0" in capsys.readouterr().err
+
+
+def test_a_record_replaces_a_partial_run_of_the_same_config(tiny_suite, tmp_path, monkeypatch):
+    suite = load_suite(tiny_suite)
+    records = tmp_path / "records"
+    run_suite(suite, tmp_path / "first", seeds=(0,), records=records)
+    out = tmp_path / "out"
+    spec = plan_runs(suite, out, seeds=(0,))[0]
+    run_suite(suite, out, seeds=(0,), rows=(spec.regime,))
+    meta = json.loads((spec.run_dir / "meta.json").read_text())
+    meta["status"] = "interrupted"
+    (spec.run_dir / "meta.json").write_text(json.dumps(meta))
+    (spec.run_dir / "eval.json").unlink()
+    assert run_state(spec.run_dir) == "resume"
+    _no_runs(monkeypatch)
+    _, failures = run_suite(suite, out, seeds=(0,), records=records)
+    assert not failures and run_state(spec.run_dir) == "done"
+    assert not (spec.run_dir / "checkpoints").exists()  # the record's files, not the partial run's
+
+
+def test_a_record_of_another_config_is_an_error_and_nothing_is_copied(tiny_suite, tmp_path, monkeypatch):
+    suite = load_suite(tiny_suite)
+    records = tmp_path / "records"
+    run_suite(suite, tmp_path / "first", seeds=(0,), records=records)
+    before = {p: p.read_bytes() for p in records.rglob("*") if p.is_file()}
+    _no_runs(monkeypatch)
+    out = tmp_path / "out"
+    with pytest.raises(ConfigError, match=r"seed0 was trained with a different config \(optim\.lr differ\); "
+                                          r"remove it or choose another --records"):
+        run_suite(suite, out, seeds=(0,), extra_overrides=("optim.lr=0.01",), records=records)
+    assert not out.exists()
+    assert {p: p.read_bytes() for p in records.rglob("*") if p.is_file()} == before
+    with pytest.raises(CLIError, match="different config"):
+        run_experiment(str(tiny_suite), str(out), [0], 1, overrides=["optim.lr=0.01"], records=str(records))
+
+
+def test_an_output_run_of_another_config_is_left_alone_when_a_record_exists(tiny_suite, tmp_path):
+    suite = load_suite(tiny_suite)
+    records = tmp_path / "records"
+    run_suite(suite, tmp_path / "first", seeds=(0,), records=records)
+    out = tmp_path / "out"
+    run_suite(suite, out, seeds=(0,), extra_overrides=("optim.lr=0.01",))
+    stamps = {p: p.stat().st_mtime_ns for p in out.rglob("eval.json")}
+    _, failures = run_suite(suite, out, seeds=(0,), records=records)
+    assert len(failures) == 2 and all("choose another --out" in detail for _, _, detail in failures)
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("eval.json")} == stamps
+
+
+def test_records_must_be_a_folder(tiny_suite, tmp_path):
+    not_a_folder = tmp_path / "records"
+    not_a_folder.write_text("x")
+    with pytest.raises(CLIError, match=r"--records: .*records is a file, not a folder"):
+        run_experiment(str(tiny_suite), str(tmp_path / "out"), None, 1, records=str(not_a_folder))

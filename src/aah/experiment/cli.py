@@ -1,4 +1,4 @@
-"""``aah experiment SUITE.yaml [--seeds 0 1 2] [--rows NAME ...] [--out DIR] [--jobs N] [key=value ...]``."""
+"""``aah experiment SUITE.yaml [--seeds 0 1 2] [--rows NAME ...] [--out DIR] [--records DIR] [--jobs N] [key=value ...]``."""
 
 from __future__ import annotations
 
@@ -27,11 +27,15 @@ def add_commands(subparsers) -> None:
     p.add_argument("--rows", nargs="+", metavar="NAME", default=None,
                    help="run only these rows of the suite's regimes (default: all); the report covers every finished run of the seeds")
     p.add_argument("--out", metavar="DIR", default=None, help="output folder (default: runs/<suite name>)")
+    p.add_argument("--records", metavar="DIR", default=None,
+                   help="keep each finished run's config, meta, metrics and eval (no checkpoints) in "
+                        "DIR/<row>/seed<k>, and take recorded runs of the same config as finished")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time (default 1)")
     p.set_defaults(func=_run)
 
 
-def run_experiment(suite_path: str, out: str | None, seeds, jobs: int, overrides=(), rows=None) -> int:
+def run_experiment(suite_path: str, out: str | None, seeds, jobs: int, overrides=(), rows=None,
+                   records: str | None = None) -> int:
     """Run a suite and write its report. A bad suite, override, seed or output folder raises
     :class:`CLIError` before any run starts; runs that fail are listed and give exit status 1."""
     if jobs < 1:
@@ -41,11 +45,12 @@ def run_experiment(suite_path: str, out: str | None, seeds, jobs: int, overrides
     try:
         suite = load_suite(suite_path)
         out_dir = Path(out) if out else Path("runs") / suite.name
-        if out_dir.exists() and not out_dir.is_dir():
-            raise ConfigError(f"--out: {out_dir} is a file, not a folder")
+        for flag, folder in (("--out", out_dir), ("--records", Path(records) if records else None)):
+            if folder is not None and folder.exists() and not folder.is_dir():
+                raise ConfigError(f"{flag}: {folder} is a file, not a folder")
         specs, failures = run_suite(
             suite, out_dir, seeds=tuple(seeds) if seeds else None, jobs=jobs, extra_overrides=tuple(overrides),
-            rows=tuple(rows) if rows else None,
+            rows=tuple(rows) if rows else None, records=records,
         )
     except ConfigError as exc:
         raise CLIError(str(exc)) from None
@@ -71,4 +76,4 @@ def run_experiment(suite_path: str, out: str | None, seeds, jobs: int, overrides
 
 
 def _run(args: argparse.Namespace) -> int:
-    return run_experiment(args.suite, args.out, args.seeds, args.jobs, args.overrides, args.rows)
+    return run_experiment(args.suite, args.out, args.seeds, args.jobs, args.overrides, args.rows, args.records)

@@ -20,6 +20,12 @@ its own overrides::
 Runs land in ``OUT/<name>/seed<seed>`` (``name``: the regime or variant). A run whose ``meta.json`` says
 ``complete`` and that has an ``eval.json`` is skipped; one with checkpoints is
 resumed; anything else starts fresh. The report is written to ``OUT/report``.
+
+A suite too long for one sitting can keep *records* (``aah experiment --records DIR``): each finished run's
+``config.yaml``, ``meta.json``, ``metrics.jsonl`` and ``eval.json`` (no checkpoints, a few
+hundred kB) are copied to ``DIR/<name>/seed<seed>``, and a later invocation, on another
+machine or a fresh clone, takes a recorded run of the same config as finished instead of
+training it again. A record of another config is an error, never silently reused or replaced.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from ..config import ConfigError, config_to_dict, load_config
 from ..train.checkpoint import latest_checkpoint
 from ..train.run_dir import read_meta
 
-__all__ = ["Suite", "RunSpec", "load_suite", "plan_runs", "run_suite"]
+__all__ = ["Suite", "RunSpec", "load_suite", "plan_runs", "run_suite", "RECORD_FILES", "sync_records"]
 
 
 @dataclass(frozen=True)
@@ -158,13 +164,15 @@ def plan_runs(suite: Suite, out_dir: Path, seeds: tuple[int, ...] | None = None,
     return specs
 
 
-def config_mismatch(spec: RunSpec) -> str | None:
-    """Why an existing run folder does not belong to this plan (``None`` when it does).
+def config_mismatch(spec: RunSpec, folder: Path | None = None) -> str | None:
+    """Why an existing run folder (``spec.run_dir`` or ``folder``) does not belong to this plan
+    (``None`` when it does).
 
     A run is only skipped or resumed when its saved config equals the planned one
     (logging settings aside): otherwise changed overrides would be silently ignored.
     """
-    saved_path = spec.run_dir / "config.yaml"
+    folder = spec.run_dir if folder is None else folder
+    saved_path = folder / "config.yaml"
     if not saved_path.is_file() or not spec.resolved:
         return None
     saved = config_to_dict(load_config(saved_path))
@@ -176,9 +184,66 @@ def config_mismatch(spec: RunSpec) -> str | None:
     if not keys:
         return None
     return (
-        f"{spec.run_dir} was trained with a different config ({', '.join(keys[:5])} differ); "
-        "remove it or choose another --out"
+        f"{folder} was trained with a different config ({', '.join(keys[:5])} differ); "
+        f"remove it or choose another {'--out' if folder == spec.run_dir else '--records'}"
     )
+
+
+#: What a record keeps of a finished run: everything the report reads, no checkpoints.
+RECORD_FILES = ("config.yaml", "meta.json", "metrics.jsonl", "eval.json")
+
+
+def _record_dir(records: Path, spec: RunSpec) -> Path:
+    return records / spec.regime / f"seed{spec.seed}"
+
+
+def _copy_record(source: Path, dest: Path) -> None:
+    """Copy :data:`RECORD_FILES` from ``source`` to ``dest``, replacing ``dest`` in one rename."""
+    staging = dest.with_name(f".{dest.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    for name in RECORD_FILES:
+        shutil.copy2(source / name, staging / name)
+    if dest.exists():
+        shutil.rmtree(dest)
+    staging.rename(dest)
+
+
+def save_record(spec: RunSpec, records: Path) -> Path:
+    """Keep the finished run of ``spec`` as ``records/<name>/seed<seed>``."""
+    dest = _record_dir(records, spec)
+    _copy_record(spec.run_dir, dest)
+    return dest
+
+
+def sync_records(specs: list[RunSpec], records: Path) -> list[str]:
+    """Before a suite runs: finished runs of ``specs`` without a record get one, and recorded runs
+    the output folder has not finished are restored into it (they are then skipped).
+
+    Raises :class:`ConfigError`, before anything is copied, when a record was trained with a
+    config other than the plan's. Returns one line per record saved or restored.
+    """
+    for spec in specs:
+        folder = _record_dir(records, spec)
+        mismatch = config_mismatch(spec, folder) if (folder / "config.yaml").is_file() else None
+        if mismatch:
+            raise ConfigError(mismatch)
+    lines = []
+    for spec in specs:
+        folder = _record_dir(records, spec)
+        if config_mismatch(spec):
+            continue  # a run of another config in the output folder: the run itself reports it
+        recorded = run_state(folder) == "done" and all((folder / n).is_file() for n in RECORD_FILES)
+        finished = run_state(spec.run_dir) == "done"
+        if finished and not recorded:
+            save_record(spec, records)
+            lines.append(f"recorded {spec.name}")
+        elif recorded and not finished:
+            if spec.run_dir.exists():
+                shutil.rmtree(spec.run_dir)  # a partial run of the same config: the record is further
+            _copy_record(folder, spec.run_dir)
+            lines.append(f"restored {spec.name} from {folder}")
+    return lines
 
 
 def run_state(run_dir: Path) -> str:
@@ -211,7 +276,8 @@ INTERRUPTED = 130
 NOT_STARTED = "not started: the suite was stopped"
 
 
-def _execute(spec: RunSpec, threads: int, stopping: threading.Event) -> tuple[RunSpec, int, str]:
+def _execute(spec: RunSpec, threads: int, stopping: threading.Event,
+             records: Path | None = None) -> tuple[RunSpec, int, str]:
     if stopping.is_set():
         return spec, INTERRUPTED, NOT_STARTED
     state = run_state(spec.run_dir)
@@ -232,6 +298,8 @@ def _execute(spec: RunSpec, threads: int, stopping: threading.Event) -> tuple[Ru
             if code == INTERRUPTED:
                 stopping.set()  # the run was stopped by a signal: start no more
             return spec, code, f"see {log_path}"
+    if records is not None:  # at once, so a suite stopped later loses nothing finished
+        save_record(spec, records)
     return spec, 0, f"see {log_path}"
 
 
@@ -269,11 +337,15 @@ def run_suite(
     jobs: int = 1,
     extra_overrides: tuple[str, ...] = (),
     rows: tuple[str, ...] | None = None,
+    records: str | Path | None = None,
 ) -> tuple[list[RunSpec], list[tuple[RunSpec, int, str]]]:
     """Run every pending (regime, seed); returns the plan and the failures (spec, code, detail).
 
     ``rows`` (names of ``regimes``) runs only those rows, in the suite's order; the returned plan
     still holds every row, so a report can cover the runs that other invocations finished.
+
+    ``records`` (a folder): runs of the plan recorded there are restored first (every row, so the
+    report covers them), and each run that finishes is recorded there (:func:`sync_records`).
 
     A run stopped by a signal (exit status :data:`INTERRUPTED`), or SIGINT / SIGTERM to the
     suite, stops it: no further run starts, and those left are failures with that status.
@@ -285,6 +357,10 @@ def run_suite(
         if unknown:
             raise ConfigError(f"--rows: unknown row(s) {unknown}; the suite's rows: {', '.join(suite.regimes)}")
     selected = [s for s in specs if rows is None or s.regime in rows]
+    records = Path(records) if records is not None else None
+    if records is not None:
+        for line in sync_records(specs, records):
+            print(line, file=sys.stderr)
     cores = os.cpu_count() or 1
     threads = max(1, cores // max(1, jobs))
     failures = []
@@ -307,7 +383,7 @@ def run_suite(
     watcher.start()
     try:
         with _stop_on_signals(stopping), ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            for spec, code, log in pool.map(lambda s: _execute(s, threads, stopping), pending):
+            for spec, code, log in pool.map(lambda s: _execute(s, threads, stopping, records), pending):
                 outcome = "ok" if code == 0 else "stopped" if code == INTERRUPTED else "FAILED"
                 bar.set_postfix_str(f"{spec.name} {outcome}")
                 if code != 0:
