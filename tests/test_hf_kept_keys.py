@@ -17,6 +17,7 @@ from aah.hf.kept_keys import (  # noqa: E402
     kept_coverage,
     rolling_coverage_pairs,
     rolling_kept_attention,
+    rolling_prefill,
     tail_coverage_pairs,
 )
 from aah.hf.patching import layer_specs  # noqa: E402
@@ -180,11 +181,17 @@ ROLLING = {
 
 @torch.no_grad()
 @pytest.mark.parametrize("case", sorted(ROLLING))
-def test_rolling_kept_keys_equal_the_reference(case, llama):
+def test_rolling_kept_keys_equal_the_reference(case, llama, monkeypatch):
     """The prompt read in blocks that see the far keys the previous block's last rows read most,
     then decoding with the kept keys: every logit against the float64 rule."""
+    import aah.hf.cache as cache_module
+
     heads, kv_heads, windows, sinks, prompt_len, tail, count, pool, prefill, block = ROLLING[case]
     model = llama(heads, kv_heads)
+    # An unpadded prompt takes the route that reads each window once (rolling_prefill).
+    routes = []
+    monkeypatch.setattr(cache_module, "rolling_prefill",
+                        lambda *args: routes.append(args[0].shape) or rolling_prefill(*args))
     hf.patch(model, torch.tensor(windows), sink_tokens=sinks)
     prompt = _ids(prompt_len, seed=11)
     spec = KeptKeys(tail, count, pool, prefill_keys=prefill, prefill_block=block)
@@ -197,6 +204,7 @@ def test_rolling_kept_keys_equal_the_reference(case, llama):
     torch.testing.assert_close(logits, expected[:prompt_len], atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(steps, expected[prompt_len:], atol=2e-5, rtol=1e-4)
     assert any(chosen for layer in reference.rolled.values() for block_keys in layer for chosen in block_keys)
+    assert len(routes) == len(windows)  # one prompt call per layer (the "without" run has no rolling keys)
     # The blocks' kept keys change what the prompt's rows before the tail predict.
     assert not torch.allclose(logits[block:prompt_len - tail], without[block:prompt_len - tail], atol=1e-4)
 
@@ -376,3 +384,27 @@ def test_tail_pairs_and_coverage_by_hand(llama):
 def test_kept_keys_refuse_bad_sizes(bad, name):
     with pytest.raises(ValueError, match=name):
         KeptKeys(**bad)
+
+
+def test_rolling_prefill_reads_later_blocks_of_short_groups_only_once():
+    """The unpadded route equals the windowed pass followed by the rolling recompute, and its
+    windowed pass reads the groups that leave keys behind over the first block's rows only."""
+    from aah.hf.patching import LayerWindows, attend_without_cache
+
+    torch.manual_seed(3)
+    windows, sinks, length = (3, 3, 20, 20, 2, 5), 1, 20  # KV group 1 reaches every key
+    q, k, v = torch.randn(2, 6, length, 8), torch.randn(2, 3, length, 8), torch.randn(2, 3, length, 8)
+    spec = KeptKeys(3, 4, 3, prefill_keys=2, prefill_block=6)
+    calls = []
+
+    def windowed(q_, k_, v_, w):
+        calls.append((q_.shape[1], q_.shape[2], w))
+        return attend_without_cache(q_, k_, v_, None, 0.35, LayerWindows.build(w, sinks, "auto", None))
+
+    out = rolling_prefill(q, k, v, windows, sinks, spec, 0.35, windowed)
+    assert calls == [(2, length, (20, 20)), (4, 6, (3, 3, 2, 5))]
+    whole = windowed(q, k, v, windows)
+    expected = rolling_kept_attention(q, k, v, whole, windows, sinks, torch.ones(2, length, dtype=torch.bool),
+                                      spec, 0.35)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out, whole, atol=1e-3)  # the kept keys changed the later blocks

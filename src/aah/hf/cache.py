@@ -38,13 +38,20 @@ crop cut in two, raises ``ValueError``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..decode.rings import RingGroup, RingStore, joined_route
 from ._transformers import require
-from .kept_keys import KeptKeys, KeptStore, choose_kept, rolling_kept_attention, tail_attention
+from .kept_keys import (
+    KeptKeys,
+    KeptStore,
+    choose_kept,
+    rolling_kept_attention,
+    rolling_prefill,
+    tail_attention,
+)
 from .patching import (
     SPEC_ATTR,
     LayerWindows,
@@ -286,12 +293,22 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
 
         def prefill() -> torch.Tensor:
-            out = attend_without_cache(query, pending.keys, pending.values, attention_mask, scaling, spec)
-            if self.kept_keys is not None:
-                if self.kept_keys.prefill_keys and spec.layer_window is None and query.shape[2] == pending.keys.shape[2]:
+            kept_keys = self.kept_keys
+            rolling = (kept_keys is not None and kept_keys.prefill_keys > 0 and spec.layer_window is None
+                       and query.shape[2] == pending.keys.shape[2])
+            if rolling and attention_mask is None:
+                out = rolling_prefill(
+                    query, pending.keys, pending.values, spec.windows, spec.sink_tokens, kept_keys, scale,
+                    lambda q, k, v, windows: attend_without_cache(q, k, v, None, scaling,
+                                                                  replace(spec, requested=windows, windows=windows)),
+                )
+            else:
+                out = attend_without_cache(query, pending.keys, pending.values, attention_mask, scaling, spec)
+                if rolling:
                     out = rolling_kept_attention(query, pending.keys, pending.values, out, spec.windows,
                                                  spec.sink_tokens, self._real_keys(attention_mask, query),
-                                                 self.kept_keys, scale)
+                                                 kept_keys, scale)
+            if kept_keys is not None:
                 out = self._read_tail_and_keep(query, pending.keys, pending.values, attention_mask, scale, spec, out)
             return out
 

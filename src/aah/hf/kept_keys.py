@@ -32,7 +32,8 @@ read in blocks of ``prefill_block`` rows; before each block after the first, the
 attention, summed, sinks zeroed, max-pooled), and each KV head whose windows leave keys behind
 gives the block's rows its ``prefill_keys`` best keys among those no window of its query heads
 reads from the block's first row on; the block's rows read them besides their windows and
-sinks (:func:`rolling_kept_attention`). This adds at most ``prefill_keys`` pairs per row and
+sinks (:func:`rolling_kept_attention`; an unpadded prompt reads those rows there only, not
+through the windowed pass as well: :func:`rolling_prefill`). This adds at most ``prefill_keys`` pairs per row and
 head to the causal coverage (:func:`rolling_coverage_pairs`) and nothing to the cache.
 
 KV memory grows by at most ``keys_per_head`` keys per KV head (``keys_per_head / T`` of a full
@@ -53,7 +54,7 @@ from .patching import executed_coverage
 
 __all__ = [
     "KeptGroup", "KeptKeys", "KeptStore", "choose_kept", "kept_coverage", "rolling_coverage_pairs",
-    "rolling_kept_attention", "tail_attention", "tail_coverage_pairs",
+    "rolling_kept_attention", "rolling_prefill", "tail_attention", "tail_coverage_pairs",
 ]
 
 
@@ -217,15 +218,10 @@ def rolling_kept_attention(
     rows of blocks that get kept keys are recomputed for the query heads of the KV heads whose
     windows leave keys behind; everything else of ``out`` (hidden rows too) is returned as it is.
     """
-    heads, kv_heads = query.shape[1], key.shape[1]
-    group = heads // kv_heads
-    reach = [max(windows[g * group:(g + 1) * group]) for g in range(kv_heads)]
-    length = query.shape[2]
-    short = [g for g in range(kv_heads) if reach[g] + sink_tokens < length]
+    reach, short, short_heads = _rolling_groups(windows, key.shape[1], sink_tokens, query.shape[2])
     if kept.prefill_keys == 0 or not short:
         return out
     out = out.clone()
-    short_heads = [g * group + i for g in short for i in range(group)]
     for row in range(query.shape[0]):
         held = real[row].nonzero().flatten()
         if held.numel() == 0:
@@ -238,6 +234,51 @@ def rolling_kept_attention(
             sink_tokens, kept, scale,
         )
     return out
+
+
+def _rolling_groups(windows: Sequence[int], kv_heads: int, sink_tokens: int,
+                    length: int) -> tuple[list[int], list[int], list[int]]:
+    """Each KV group's reach (its widest window), the groups whose windows and sinks leave keys of
+    a ``length`` prompt behind, and those groups' query heads."""
+    group = len(windows) // kv_heads
+    reach = [max(windows[g * group:(g + 1) * group]) for g in range(kv_heads)]
+    short = [g for g in range(kv_heads) if reach[g] + sink_tokens < length]
+    return reach, short, [g * group + i for g in short for i in range(group)]
+
+
+def rolling_prefill(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    windows: Sequence[int],
+    sink_tokens: int,
+    kept: KeptKeys,
+    scale: float,
+    windowed: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, ...]], torch.Tensor],
+) -> torch.Tensor:
+    """A prompt every position of which holds a token, read with rolling kept keys, each key of a
+    window read once: what :func:`rolling_kept_attention` gives after the windowed pass, without
+    that pass over the rows it recomputes.
+
+    ``windowed(q, k, v, windows)`` is the layer's windowed attention for a subset of its KV groups
+    (their query heads' ``windows``); it reads the groups whose windows and sinks reach every key
+    over the whole prompt and the others over the first block only, whose rows read no kept key.
+    """
+    _, short, short_heads = _rolling_groups(windows, key.shape[1], sink_tokens, query.shape[2])
+    if kept.prefill_keys == 0 or not short:
+        return windowed(query, key, value, tuple(windows))
+    batch, heads, length = query.shape[:3]
+    out = query.new_empty(batch, heads, length, value.shape[-1])
+    long = [g for g in range(key.shape[1]) if g not in short]
+    long_heads = [h for h in range(heads) if h not in short_heads]
+    if long:
+        out[:, long_heads] = windowed(query[:, long_heads], key[:, long], value[:, long],
+                                      tuple(windows[h] for h in long_heads))
+    first = min(kept.prefill_block, length)
+    out[:, short_heads, :first] = windowed(query[:, short_heads, :first], key[:, short, :first],
+                                           value[:, short, :first], tuple(windows[h] for h in short_heads))
+    real = torch.ones(batch, length, dtype=torch.bool, device=query.device)
+    return rolling_kept_attention(query, key, value, out, windows, sink_tokens, real, kept, scale)
 
 
 def _rolling_row(query, key, value, present, out, windows, reach, sink_tokens, kept: KeptKeys, scale):
@@ -259,9 +300,9 @@ def _rolling_row(query, key, value, present, out, windows, reach, sink_tokens, k
         _, probs = tail_attention(query[None, :, start - tail:start], key[None, :, :start], value[None, :, :start],
                                   seen, scale)
         probs[..., :sinks] = 0.0  # the sinks lend no score to their neighbours
+        # Every block from the second on is read here, with no kept key where none is eligible yet:
+        # rolling_prefill's windowed pass leaves those rows to this.
         eligible = (pos[None, :start] >= sinks) & (pos[None, :start] <= start - limit) & present[None, :start]
-        if not bool(eligible.any()):
-            continue
         positions, valid = choose_kept(probs, kv_heads, eligible[None], kept.prefill_keys, kept.pool_width)
         positions, valid = positions[0], valid[0]  # (H_kv, K)
         # The block's rows read their sinks (those before their window), the kept keys (all before
