@@ -224,8 +224,7 @@ def sync_records(specs: list[RunSpec], records: Path) -> list[str]:
     config other than the plan's. Returns one line per record saved or restored.
     """
     for spec in specs:
-        folder = _record_dir(records, spec)
-        mismatch = config_mismatch(spec, folder) if (folder / "config.yaml").is_file() else None
+        mismatch = config_mismatch(spec, _record_dir(records, spec))
         if mismatch:
             raise ConfigError(mismatch)
     lines = []
