@@ -205,6 +205,24 @@ def test_runs_finished_before_records_were_asked_for_are_recorded(tiny_suite, tm
     assert "recorded full_attention/seed0" in capsys.readouterr().err
 
 
+def test_finished_runs_and_records_name_their_suite_row(tiny_suite, tmp_path, monkeypatch):
+    """meta.json's ``suite_row`` (what the report groups a variant by), on runs and records alike,
+    also on those finished before the suite wrote it."""
+    out = tmp_path / "out"
+    suite = load_suite(tiny_suite)
+    run_suite(suite, out, seeds=(0,))
+    for row in ("full_attention", "shallow_freeze"):
+        meta = json.loads((out / row / "seed0" / "meta.json").read_text())
+        assert meta["suite_row"] == row and meta["status"] == "complete"
+        del meta["suite_row"]
+        (out / row / "seed0" / "meta.json").write_text(json.dumps(meta))
+    _no_runs(monkeypatch)
+    records = tmp_path / "records"
+    run_suite(suite, out, seeds=(0,), records=records)
+    for folder in (out, records):
+        assert json.loads((folder / "shallow_freeze" / "seed0" / "meta.json").read_text())["suite_row"] == "shallow_freeze"
+
+
 def test_a_record_replaces_a_partial_run_of_the_same_config(tiny_suite, tmp_path, monkeypatch):
     suite = load_suite(tiny_suite)
     records = tmp_path / "records"

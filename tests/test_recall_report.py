@@ -97,3 +97,29 @@ def test_report_has_recall_section_csv_and_figure(recall_runs, tmp_path):
     la = next(r for r in rows if r["policy"] == "loss_aware@0.45")
     assert float(la["recall_gt_half_mean"]) == pytest.approx(80.0)
     assert float(la["recall_gt_half_delta"]) == pytest.approx(80.0 - 15.0)
+
+
+def test_a_suite_variant_is_its_own_group_and_finds_the_uniform_window_at_its_budget(tmp_path):
+    """``loss_aware_late`` (a variant of ``loss_aware``) and ``uniform_tight`` (of ``uniform_window``)
+    share regime, budget and seeds with other rows; the suite row in meta.json keeps them apart."""
+    root = tmp_path / "runs"
+    rows = {  # suite row: (regime, budget, recall beyond T/2 of seed 0)
+        "uniform_window": ("uniform_window", 0.45, 0.1), "loss_aware": ("loss_aware", 0.45, 0.0),
+        "loss_aware_late": ("loss_aware", 0.45, 1.0), "uniform_tight": ("uniform_window", 0.3, 0.0),
+        "loss_aware_tight": ("loss_aware", 0.3, 0.5),
+    }
+    for row, (regime, budget, far) in rows.items():
+        _run(root / row, regime, 0, budget, _eval(2.0, 1.9, far, budget))
+        meta = root / row / f"{regime}_{budget}" / "seed0" / "meta.json"
+        meta.write_text(json.dumps(json.loads(meta.read_text()) | {"suite_row": row}))
+    runs, notes = load_runs([root])
+    assert len(runs) == 5 and not notes  # nothing taken for a repeat of another row
+    table = recall_table(runs)
+    by_name = {r[0]: r for r in table.rows}
+    assert set(by_name) == {"Uniform window (b = 0.45)", "Loss aware (b = 0.45)", "Loss aware late (b = 0.45)",
+                            "Uniform tight (b = 0.3)", "Loss aware tight (b = 0.3)"}
+    far = table.columns.index("Recall ≥ T/2 %")
+    assert by_name["Loss aware late (b = 0.45)"][far].startswith("100.0 (+90.0")
+    assert by_name["Loss aware (b = 0.45)"][far].startswith("0.0 (-10.0")
+    assert by_name["Loss aware tight (b = 0.3)"][3] == "Uniform tight (b = 0.3)"
+    assert by_name["Loss aware tight (b = 0.3)"][far].startswith("50.0 (+50.0")

@@ -48,7 +48,7 @@ from tqdm.auto import tqdm
 from .. import regimes as regime_registry
 from ..config import ConfigError, config_to_dict, load_config
 from ..train.checkpoint import latest_checkpoint
-from ..train.run_dir import read_meta
+from ..train.run_dir import read_meta, update_meta
 
 __all__ = ["Suite", "RunSpec", "load_suite", "plan_runs", "run_suite", "RECORD_FILES", "sync_records"]
 
@@ -209,9 +209,17 @@ def _copy_record(source: Path, dest: Path) -> None:
     staging.rename(dest)
 
 
+def _tag_row(run_dir: Path, spec: RunSpec) -> None:
+    """Name the suite row in the finished run's ``meta.json`` (``suite_row``): the report groups a
+    variant (``loss_aware_late``) apart from its regime's own row (``loss_aware``)."""
+    if read_meta(run_dir).get("suite_row") != spec.regime:
+        update_meta(run_dir, suite_row=spec.regime)
+
+
 def save_record(spec: RunSpec, records: Path) -> Path:
     """Keep the finished run of ``spec`` as ``records/<name>/seed<seed>``."""
     dest = _record_dir(records, spec)
+    _tag_row(spec.run_dir, spec)
     _copy_record(spec.run_dir, dest)
     return dest
 
@@ -234,6 +242,8 @@ def sync_records(specs: list[RunSpec], records: Path) -> list[str]:
             continue  # a run of another config in the output folder: the run itself reports it
         recorded = run_state(folder) == "done" and all((folder / n).is_file() for n in RECORD_FILES)
         finished = run_state(spec.run_dir) == "done"
+        if recorded:
+            _tag_row(folder, spec)  # records kept before runs were tagged
         if finished and not recorded:
             save_record(spec, records)
             lines.append(f"recorded {spec.name}")
@@ -297,6 +307,7 @@ def _execute(spec: RunSpec, threads: int, stopping: threading.Event,
             if code == INTERRUPTED:
                 stopping.set()  # the run was stopped by a signal: start no more
             return spec, code, f"see {log_path}"
+    _tag_row(spec.run_dir, spec)
     if records is not None:  # at once, so a suite stopped later loses nothing finished
         save_record(spec, records)
     return spec, 0, f"see {log_path}"
@@ -364,6 +375,9 @@ def run_suite(
     threads = max(1, cores // max(1, jobs))
     failures = []
     pending = [s for s in selected if run_state(s.run_dir) != "done" or config_mismatch(s)]
+    for spec in specs:  # finished before runs were tagged: the report still tells variants apart
+        if run_state(spec.run_dir) == "done" and not config_mismatch(spec):
+            _tag_row(spec.run_dir, spec)
     total_steps = sum(s.max_steps for s in selected)
     # Steps already logged (a resumed suite) are the bar's start, so its rate and time left count
     # only the steps this invocation runs.

@@ -69,20 +69,29 @@ _DISPLAY_NAMES = {
 # Regimes whose windows follow aah.budget: one report group per (regime, budget).
 BUDGET_REGIMES = ("budgeted", "budgeted_grouped", "uniform_window", "loss_aware", "full_heads")
 _POLICY_SEP = "@"
+# A suite row that is a variant of its regime (``loss_aware_late`` of ``loss_aware``) tags the group.
+_ROW_SEP = "#"
 # Full attention by definition (paper section 7.1), used when a value is not logged.
 _FULL_ATTENTION_DEFAULTS = {"acr": 1.0, "causal_coverage": 1.0, "levels_used": 0.0}
 
 
-def policy_label(regime: str, budget: float | None) -> str:
-    """The report group of a run: ``regime``, or ``regime@budget`` for a budget-driven regime."""
+def policy_label(regime: str, budget: float | None, row: str | None = None) -> str:
+    """The report group of a run: ``regime``, or ``regime@budget`` for a budget-driven regime;
+    ``#row`` follows when the run is a suite row named otherwise than its regime (a variant)."""
+    label = regime
     if regime in BUDGET_REGIMES and budget is not None:
-        return f"{regime}{_POLICY_SEP}{budget:g}"
-    return regime
+        label = f"{regime}{_POLICY_SEP}{budget:g}"
+    return f"{label}{_ROW_SEP}{row}" if row and row != regime else label
+
+
+def policy_row(label: str) -> str | None:
+    """The suite row of a :func:`policy_label` that names one, else ``None``."""
+    return label.partition(_ROW_SEP)[2] or None
 
 
 def split_policy(label: str) -> tuple[str, float | None]:
     """``(regime, budget)`` of a :func:`policy_label` (budget ``None`` for plain regimes)."""
-    regime, sep, budget = label.partition(_POLICY_SEP)
+    regime, sep, budget = label.partition(_ROW_SEP)[0].partition(_POLICY_SEP)
     try:
         return regime, float(budget) if sep else None
     except ValueError:
@@ -92,9 +101,11 @@ def split_policy(label: str) -> tuple[str, float | None]:
 def display_name(regime: str) -> str:
     """The paper's name for a regime; otherwise underscores as spaces, first letter capital.
 
-    A budget-driven group (``budgeted@0.45``) reads ``Budgeted (b = 0.45)``.
+    A budget-driven group (``budgeted@0.45``) reads ``Budgeted (b = 0.45)``; a suite variant
+    reads by its row (``loss_aware@0.45#loss_aware_late``: ``Loss aware late (b = 0.45)``).
     """
     base, budget = split_policy(regime)
+    base = policy_row(regime) or base
     if budget is not None:
         return f"{display_name(base)} (b = {budget:g})"
     if regime in _DISPLAY_NAMES:
@@ -107,13 +118,14 @@ def regime_sort_key(regime: str) -> tuple[int, int, str]:
     """Paper order: principal regimes, then screening regimes, then the rest alphabetically
     (budget-driven groups by regime, then by descending budget)."""
     base, budget = split_policy(regime)
+    tag = _ROW_SEP + (policy_row(regime) or "")  # a variant right after its regime's own group
     if budget is not None:
-        return (2, 0, f"{base}{_POLICY_SEP}{1.0 - budget:.6f}")
-    if regime in MAIN_REGIMES:
-        return (0, MAIN_REGIMES.index(regime), regime)
-    if regime in SCREENING_REGIMES:
-        return (1, SCREENING_REGIMES.index(regime), regime)
-    return (2, 0, regime)
+        return (2, 0, f"{base}{_POLICY_SEP}{1.0 - budget:.6f}{tag}")
+    if base in MAIN_REGIMES:
+        return (0, MAIN_REGIMES.index(base), regime)
+    if base in SCREENING_REGIMES:
+        return (1, SCREENING_REGIMES.index(base), regime)
+    return (2, 0, f"{base}{tag}")
 
 
 def _number(value: Any) -> float | None:
@@ -216,9 +228,17 @@ class Run:
         return value
 
     @property
+    def row(self) -> str | None:
+        """The suite row the run was trained as (``meta.json``'s ``suite_row``, written by ``aah
+        experiment``), ``None`` outside a suite."""
+        row = self.meta.get("suite_row")
+        return str(row) if row else None
+
+    @property
     def policy(self) -> str:
-        """The report group: the regime, with its budget for budget-driven regimes."""
-        return policy_label(self.regime, self.budget)
+        """The report group: the regime, with its budget for budget-driven regimes, tagged with the
+        suite row when that is a variant of the regime."""
+        return policy_label(self.regime, self.budget, self.row)
 
     @property
     def seed(self) -> int | None:

@@ -32,7 +32,6 @@ from .runs import (
     Run,
     display_name,
     group_by_regime,
-    policy_label,
     split_policy,
 )
 from .stats import PairedDifference, mean, paired_difference, sample_std
@@ -334,9 +333,9 @@ def _uniform_reference(label: str, group: Sequence[Run], uniforms: dict[str, lis
     the one whose mean causal coverage is closest to the policy's."""
     _, budget = split_policy(label)
     if budget is not None:
-        same = policy_label(UNIFORM, budget)
-        if same in uniforms:
-            return same
+        same = [u for u in uniforms if split_policy(u)[1] == budget]
+        if same:
+            return same[0]
     cov = mean(_values(group, Run.final_coverage))
     if cov is None:
         return next(iter(uniforms))
