@@ -13,6 +13,7 @@ import yaml
 
 from aah.report import load_runs, write_report
 from aah.report.recall import recall_table
+from aah.report.runs import display_name
 from aah.report.stats import t_quantile_975
 
 T = 1024
@@ -123,3 +124,6 @@ def test_a_suite_variant_is_its_own_group_and_finds_the_uniform_window_at_its_bu
     assert by_name["Loss aware (b = 0.45)"][far].startswith("0.0 (-10.0")
     assert by_name["Loss aware tight (b = 0.3)"][3] == "Uniform tight (b = 0.3)"
     assert by_name["Loss aware tight (b = 0.3)"][far].startswith("50.0 (+50.0")
+    # a variant of a regime without a budget reads by its row too
+    assert display_name("full_adaptive#full_adaptive_long") == "Full adaptive long"
+    assert display_name("full_adaptive") == "Full adaptive"

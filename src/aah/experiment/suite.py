@@ -374,10 +374,10 @@ def run_suite(
     cores = os.cpu_count() or 1
     threads = max(1, cores // max(1, jobs))
     failures = []
-    pending = [s for s in selected if run_state(s.run_dir) != "done" or config_mismatch(s)]
-    for spec in specs:  # finished before runs were tagged: the report still tells variants apart
-        if run_state(spec.run_dir) == "done" and not config_mismatch(spec):
-            _tag_row(spec.run_dir, spec)
+    done = [s for s in specs if run_state(s.run_dir) == "done" and not config_mismatch(s)]
+    for spec in done:  # finished before runs were tagged: the report still tells variants apart
+        _tag_row(spec.run_dir, spec)
+    pending = [s for s in selected if s not in done]
     total_steps = sum(s.max_steps for s in selected)
     # Steps already logged (a resumed suite) are the bar's start, so its rate and time left count
     # only the steps this invocation runs.

@@ -105,12 +105,12 @@ def display_name(regime: str) -> str:
     reads by its row (``loss_aware@0.45#loss_aware_late``: ``Loss aware late (b = 0.45)``).
     """
     base, budget = split_policy(regime)
-    base = policy_row(regime) or base
+    name = policy_row(regime) or base
     if budget is not None:
-        return f"{display_name(base)} (b = {budget:g})"
-    if regime in _DISPLAY_NAMES:
-        return _DISPLAY_NAMES[regime]
-    text = regime.replace("_", " ").strip()
+        return f"{display_name(name)} (b = {budget:g})"
+    if name in _DISPLAY_NAMES:
+        return _DISPLAY_NAMES[name]
+    text = name.replace("_", " ").strip()
     return text[:1].upper() + text[1:]
 
 
@@ -118,14 +118,13 @@ def regime_sort_key(regime: str) -> tuple[int, int, str]:
     """Paper order: principal regimes, then screening regimes, then the rest alphabetically
     (budget-driven groups by regime, then by descending budget)."""
     base, budget = split_policy(regime)
-    tag = _ROW_SEP + (policy_row(regime) or "")  # a variant right after its regime's own group
-    if budget is not None:
-        return (2, 0, f"{base}{_POLICY_SEP}{1.0 - budget:.6f}{tag}")
+    if budget is not None:  # a variant (``#row``) right after its regime's own group
+        return (2, 0, f"{base}{_POLICY_SEP}{1.0 - budget:.6f}{_ROW_SEP}{policy_row(regime) or ''}")
     if base in MAIN_REGIMES:
         return (0, MAIN_REGIMES.index(base), regime)
     if base in SCREENING_REGIMES:
         return (1, SCREENING_REGIMES.index(base), regime)
-    return (2, 0, f"{base}{tag}")
+    return (2, 0, regime)
 
 
 def _number(value: Any) -> float | None:
