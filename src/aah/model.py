@@ -18,6 +18,7 @@ from torch.nn import functional as F
 from .attention import AAHAttention
 from .controller import ControllerConfig, HeadController
 from .controller.budgeted import settle_model_budget
+from .controller.warmup import settle_warmup
 from .decode.block_step import block_step
 from .decode.cache import LayerKVCache, WindowKVCache
 from .decode.ring_decode import linear
@@ -250,10 +251,14 @@ class GPT(nn.Module):
     def controllers(self) -> list[HeadController]:
         return [a.aah_state for a in self.attention_layers() if a.aah_state is not None]
 
-    def set_step(self, step: int) -> None:
-        """Tell every controller the optimizer step (the trainer calls this before each step)."""
+    def set_step(self, step: int) -> int | None:
+        """Tell every controller the optimizer step (the trainer calls this before each step).
+
+        Returns ``step`` when a far-cost warm-up ended here (:mod:`aah.controller.warmup`), else None.
+        """
         for attn in self.attention_layers():
             attn.set_step(step)
+        return settle_warmup(self.controllers(), step)
 
     def aah_windows(self, seq_len: int | None = None) -> torch.Tensor:
         """Current execution windows, LongTensor (layers, heads), at ``seq_len`` (default max length)."""

@@ -173,7 +173,8 @@ def lost_mass_metrics(controllers: Sequence[HeadController]) -> dict:
     * ``lost_mass``: (layers, K) mean over heads of the smoothed lost mass at each candidate;
     * ``lost_mass_chosen_per_layer``: mean over heads of the lost mass at each head's current window;
     * ``lost_mass_chosen``: their mean over layers;
-    * ``loss_cost`` (``loss_aware`` only): the estimated loss cost table, (layers, heads, K).
+    * ``loss_cost`` (``loss_aware`` only): the estimated loss cost table, (layers, heads, K);
+    * ``warmup_end`` (``warmup_trigger="far_cost"`` only): the step the warm-up ended at, -1 while it lasts.
     """
     ready = [c for c in controllers if bool(c.lost_mass_ready)]
     if not ready or len(ready) != len(controllers):
@@ -196,4 +197,6 @@ def lost_mass_metrics(controllers: Sequence[HeadController]) -> dict:
         # loss_aware: the estimated loss cost per head and candidate, (layers, heads, K)
         out["loss_cost"] = [[[float(f"{x:.4g}") for x in row] for row in c.loss_cost.float().cpu().tolist()]
                             for c in controllers]
+    if controllers[0].config.warmup_trigger == "far_cost":
+        out["warmup_end"] = int(controllers[0].warmup_end)
     return out

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 __all__ = [
     "ControllerConfig", "DIAGNOSTIC_CONTEXTS", "GROUPINGS", "TOPOLOGIES", "SCORINGS", "UPPER_LEVELS", "BUDGET_SCORINGS", "BUDGET_SCOPES",
     "LAYER_HEAD_SCORINGS",
-    "WINDOW_GRANULARITIES",
+    "WINDOW_GRANULARITIES", "WARMUP_TRIGGERS",
 ]
 
 #: How level-0 items are formed: cosine clustering of head features (5.4),
@@ -56,6 +56,10 @@ BUDGET_SCOPES = ("layer", "model")
 #: query heads of one KV head under grouped-query attention (our option: the
 #: group takes the largest index its heads chose, so KV memory equals ACR).
 WINDOW_GRANULARITIES = ("head", "kv_group")
+#: When the control warm-up ends: after ``control_warmup`` steps (the reference), or
+#: (ours, ``loss_aware`` only) once the estimated loss cost of cutting some head's far
+#: context reaches ``far_cost_threshold`` (:mod:`aah.controller.warmup`).
+WARMUP_TRIGGERS = ("steps", "far_cost")
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,10 @@ class ControllerConfig:
     uniform_exact: bool = False
     lost_mass_ema: float = 0.9  # EMA of the lost-mass table over control updates
     window_granularity: str = "head"
+    # Warm-up trigger (docs/controller.md, "Warm-up until far context matters").
+    warmup_trigger: str = "steps"  # the reference: a fixed warm-up; "far_cost" is ours
+    far_cost_threshold: float = 0.15  # nats per token; 3x the pre-lookup far cost of recall seed 3
+    warmup_max_steps: int | None = None  # far_cost: the warm-up ends here at the latest; None = no cap
 
     def __post_init__(self) -> None:
         self.validate()
@@ -159,6 +167,19 @@ class ControllerConfig:
                 fail(name, f"must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
         if not 0.0 <= self.lost_mass_ema < 1.0:
             fail("lost_mass_ema", f"must be in [0, 1), got {self.lost_mass_ema}")
+        self._validate_warmup(fail)
+
+    def _validate_warmup(self, fail) -> None:
+        if self.warmup_trigger not in WARMUP_TRIGGERS:
+            fail("warmup_trigger", f"must be one of {', '.join(WARMUP_TRIGGERS)}; got {self.warmup_trigger!r}")
+        if self.warmup_trigger == "far_cost" and self.scoring != "loss_aware":
+            fail("warmup_trigger", f"far_cost reads the loss cost table of scoring loss_aware; scoring is {self.scoring!r}")
+        if isinstance(self.far_cost_threshold, bool) or not isinstance(self.far_cost_threshold, (int, float)) \
+                or not self.far_cost_threshold > 0:
+            fail("far_cost_threshold", f"must be a loss in nats per token > 0, got {self.far_cost_threshold!r}")
+        cap = self.warmup_max_steps
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < self.control_warmup):
+            fail("warmup_max_steps", f"must be null or an int >= control_warmup ({self.control_warmup}), got {cap!r}")
 
     @property
     def num_levels(self) -> int:

@@ -173,6 +173,9 @@ class HeadController(nn.Module):
             # Estimated loss cost per head and candidate (EMA over control steps), see loss_aware.py.
             self.register_buffer("loss_cost", torch.zeros(h, k))
             self.register_buffer("loss_cost_ready", torch.tensor(False))
+        if config.warmup_trigger == "far_cost":
+            # The step the warm-up ended at, -1 while it lasts (aah.controller.warmup).
+            self.register_buffer("warmup_end", torch.tensor(-1, dtype=torch.long))
         self._pending_change: tuple[torch.Tensor, torch.Tensor] | None = None
 
         gen = _generator(config.seed, "scorers", layer_idx)
@@ -219,12 +222,35 @@ class HeadController(nn.Module):
         self._has_topology = bool(self.topology[0, 0] >= 0)
         self._decided = bool(self.num_updates > 0)
 
+    @property
+    def warmup_steps(self) -> int | None:
+        """The step control updates start from: ``control_warmup``, or under the far-cost
+        trigger the step it fired at (None while the warm-up lasts)."""
+        if self.config.warmup_trigger == "steps":
+            return self.config.control_warmup
+        end = int(self.warmup_end)
+        return end if end >= 0 else None
+
+    def end_warmup(self, step: int) -> None:
+        """End a far-cost warm-up at ``step`` (:func:`.warmup.settle_warmup`); control starts there."""
+        self.warmup_end.fill_(int(step))
+
+    def _on_grid(self, start: int) -> bool:
+        s = self.step
+        return s >= start and s != self._last_update_step and (s - start) % self.config.control_interval == 0
+
     def control_due(self) -> bool:
         """Whether the current step is a control-update step not yet acted on."""
-        cfg, s = self.config, self.step
-        if cfg.scoring == "none" or s < cfg.control_warmup or s == self._last_update_step:
+        start = self.warmup_steps
+        if self.config.scoring == "none" or start is None:
             return False
-        return (s - cfg.control_warmup) % cfg.control_interval == 0
+        return self._on_grid(start)
+
+    def _measure_in_warmup(self) -> bool:
+        """Far-cost warm-up: the control grid from ``control_warmup`` on measures the loss cost
+        (windows stay full) so that the trigger can read it."""
+        return self.config.warmup_trigger == "far_cost" and self.warmup_steps is None \
+            and self._on_grid(self.config.control_warmup)
 
     def _observe_in_warmup(self) -> bool:
         cfg, s = self.config, self.step
@@ -246,6 +272,8 @@ class HeadController(nn.Module):
                 self.control_update(q, k, v)
             elif self._observe_in_warmup():
                 self._warmup_observation(q, k, v)
+            elif self._measure_in_warmup():
+                self._warmup_measurement(q, k, v)
         return self.current_windows(q.shape[2])
 
     def current_windows(self, seq_len: int) -> tuple[int, ...]:
@@ -291,6 +319,13 @@ class HeadController(nn.Module):
         self._store_topology(topology)
         self._mark_step()
         self.record_diagnostics(q, k, v)
+
+    @torch.no_grad()
+    def _warmup_measurement(self, q, k, v) -> None:
+        sampled = self.sample_scores(q, k)
+        self.record_lost_mass(q, k, sampled=sampled)
+        self.prepare_loss_cost(q, k, v)
+        self._mark_step()
 
     # ------------------------------------------------------------------ features
     @torch.no_grad()

@@ -29,6 +29,7 @@ from .. import __version__
 from ..backends.auto import auto_choices, auto_label
 from ..config import RunConfig, config_to_dict, save_config
 from ..controller.budgeted import lost_mass_metrics
+from ..controller.warmup import far_cost
 from ..evaluate.core import validation_loss
 from ..evaluate.recall import is_recall, recall_metrics
 from ..model import GPT
@@ -323,7 +324,10 @@ class _Training:
         cfg = self.cfg
         accum = cfg.train.grad_accum
         self.model.train()
-        self.model.set_step(self.step)
+        if self.model.set_step(self.step) is not None and self.info.is_main:
+            far = max(far_cost(c) for c in self.model.controllers())
+            print(f"step {self.step}: far-context cost {far:.4g} nats/token; the control warm-up ends",
+                  file=sys.stderr)
         lr = lr_at(self.step, lr=cfg.optim.lr, warmup=cfg.optim.warmup_steps,
                    max_steps=cfg.optim.decay_steps or cfg.train.max_steps, min_ratio=cfg.optim.min_lr_ratio)
         for group in self.optimizer.param_groups:
