@@ -10,10 +10,11 @@ from aah.model import GPT, GPTConfig
 from aah.regimes import get as get_regime
 
 
-def _controller(threshold=0.15, cap=None, warmup=10, layer=0):
+def _controller(threshold=0.15, cap=None, warmup=10, layer=0, patience=0):
     cfg = get_regime("loss_aware").replace(
         windows=(4, 8, 16), budget=0.5, control_warmup=warmup, control_interval=5,
         warmup_trigger="far_cost", far_cost_threshold=threshold, warmup_max_steps=cap,
+        far_cost_patience=patience,
     )
     return HeadController(4, cfg, max_seq_len=16, layer_idx=layer)
 
@@ -70,6 +71,8 @@ def test_the_steps_trigger_keeps_the_reference_schedule():
     ({"warmup_trigger": "far_cost", "scoring": "budgeted", "budget": 0.5}, "warmup_trigger"),
     ({"warmup_trigger": "far_cost", "far_cost_threshold": 0.0}, "far_cost_threshold"),
     ({"warmup_trigger": "far_cost", "warmup_max_steps": 5}, "warmup_max_steps"),
+    ({"warmup_trigger": "far_cost", "far_cost_patience": -5}, "far_cost_patience"),
+    ({"warmup_trigger": "far_cost", "far_cost_patience": 2.5}, "far_cost_patience"),
 ])
 def test_bad_settings_name_the_field(changes, field):
     base = {"scoring": "loss_aware", "grouping": "per_head", "budget": 0.5, "control_warmup": 10}
@@ -102,3 +105,17 @@ def test_training_measures_costs_during_the_warmup_and_then_controls():
     assert ended == 4  # step 2 measured, its backward folded the cost; step 4 read it and ended the warm-up
     assert all(c.is_decided for c in ctrls)
     assert model.state_dict()["blocks.0.attn.aah_state.warmup_end"].item() == 4
+
+
+def test_patience_ignores_a_spike_and_waits_for_a_cost_that_stays_up():
+    ctrl = _controller(warmup=10, patience=10)  # two grid intervals of 5 steps
+    _set_costs(ctrl, [0.3, 0.0, 0.0, 0.0])
+    assert settle_warmup([ctrl], 10) is None  # the run starts here
+    _set_costs(ctrl, [0.1, 0.0, 0.0, 0.0])
+    assert settle_warmup([ctrl], 15) is None  # a one-measurement spike: the run is broken
+    assert int(ctrl.far_cost_since) == -1
+    _set_costs(ctrl, [0.2, 0.0, 0.0, 0.0])
+    assert settle_warmup([ctrl], 20) is None
+    assert settle_warmup([ctrl], 25) is None  # 5 steps above
+    assert settle_warmup([ctrl], 30) == 30  # 10 steps above
+    assert ctrl.warmup_steps == 30

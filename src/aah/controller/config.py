@@ -106,6 +106,7 @@ class ControllerConfig:
     # Warm-up trigger (docs/controller.md, "Warm-up until far context matters").
     warmup_trigger: str = "steps"  # the reference: a fixed warm-up; "far_cost" is ours
     far_cost_threshold: float = 0.15  # nats per token; 3x the pre-lookup far cost of recall seed 3
+    far_cost_patience: int = 0  # steps the far cost must stay >= the threshold; 0 = the first crossing
     warmup_max_steps: int | None = None  # far_cost: the warm-up ends here at the latest; None = no cap
 
     def __post_init__(self) -> None:
@@ -177,6 +178,9 @@ class ControllerConfig:
         if isinstance(self.far_cost_threshold, bool) or not isinstance(self.far_cost_threshold, (int, float)) \
                 or not self.far_cost_threshold > 0:
             fail("far_cost_threshold", f"must be a loss in nats per token > 0, got {self.far_cost_threshold!r}")
+        patience = self.far_cost_patience
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
+            fail("far_cost_patience", f"must be an int >= 0 (steps), got {patience!r}")
         cap = self.warmup_max_steps
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < self.control_warmup):
             fail("warmup_max_steps", f"must be null or an int >= control_warmup ({self.control_warmup}), got {cap!r}")

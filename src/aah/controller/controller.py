@@ -176,6 +176,8 @@ class HeadController(nn.Module):
         if config.warmup_trigger == "far_cost":
             # The step the warm-up ended at, -1 while it lasts (aah.controller.warmup).
             self.register_buffer("warmup_end", torch.tensor(-1, dtype=torch.long))
+            # The first grid step of the current run of far costs at or above the threshold, -1 if none.
+            self.register_buffer("far_cost_since", torch.tensor(-1, dtype=torch.long))
         self._pending_change: tuple[torch.Tensor, torch.Tensor] | None = None
 
         gen = _generator(config.seed, "scorers", layer_idx)

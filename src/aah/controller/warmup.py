@@ -16,6 +16,14 @@ warm-up of every layer ends together, at the first grid step where the largest
 far cost of the model reaches ``far_cost_threshold``, or at ``warmup_max_steps``
 (when set), whichever comes first; control updates run from that step on. The
 far cost is averaged over ranks first, so every rank ends it at the same step.
+
+``far_cost_patience`` asks the far cost to stay at or above the threshold for that
+many steps of the grid before the warm-up ends. The cost table is an EMA of
+one-batch estimates, and one batch can spike it past the threshold before any
+lookup has formed: on recall seed 1 a single spike (0.085 to 0.214 nats/token in
+one grid step, decaying again at the EMA's rate) ended the warm-up at step 3,680,
+long before full attention's lookup forms on that seed (about step 4,600), and
+the run never learnt recall. A lookup forming raises the cost and keeps it up.
 """
 
 from __future__ import annotations
@@ -40,6 +48,18 @@ def _waiting(controllers: Sequence[HeadController]) -> list[HeadController]:
     return [c for c in controllers if c.config.warmup_trigger == "far_cost" and c.warmup_steps is None]
 
 
+def _held_long_enough(waiting: Sequence[HeadController], step: int, threshold: float, patience: int) -> bool:
+    """Track the run of grid steps whose far cost is at or above ``threshold``; True once it has
+    lasted ``patience`` steps (at once for patience 0)."""
+    costs = torch.tensor([far_cost(c) for c in waiting], dtype=torch.float64)
+    above = float(_mean_over_ranks(costs).max()) >= threshold
+    since = int(waiting[0].far_cost_since)
+    since = (step if since < 0 else since) if above else -1
+    for ctrl in waiting:
+        ctrl.far_cost_since.fill_(since)
+    return above and step - since >= patience
+
+
 def settle_warmup(controllers: Sequence[HeadController], step: int) -> int | None:
     """End the far-cost warm-up of all ``controllers`` at ``step`` when it is due; returns the step or None.
 
@@ -54,8 +74,7 @@ def settle_warmup(controllers: Sequence[HeadController], step: int) -> int | Non
     on_grid = step >= cfg.control_warmup and (step - cfg.control_warmup) % cfg.control_interval == 0
     if not (capped or on_grid):
         return None
-    costs = torch.tensor([far_cost(c) for c in waiting], dtype=torch.float64)
-    if not capped and float(_mean_over_ranks(costs).max()) < cfg.far_cost_threshold:
+    if not capped and not _held_long_enough(waiting, step, cfg.far_cost_threshold, cfg.far_cost_patience):
         return None
     for ctrl in waiting:
         ctrl.end_warmup(step)
