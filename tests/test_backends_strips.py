@@ -92,7 +92,8 @@ def test_strip_coverage_counts_the_kernel_calls_by_brute_force(window, t):
 
 
 def test_strip_block_choice():
-    assert [strip_block(w, 4096) for w in (8, 128, 256, 512, 1024, 2048)] == [32, 32, 64, 128, 128, 128]
+    assert [strip_block(w, 4096) for w in (8, 128, 256, 512, 1024, 2048)] == [8, 32, 64, 128, 128, 128]
+    assert [strip_block(w, 128) for w in (4, 16, 24, 32, 64)] == [4, 16, 24, 32, 32]
     assert strip_block(100, 110) == 10  # never more rows than the queries after the prefix
 
 

@@ -97,7 +97,7 @@ def shape_key(
 
 #: Revision of the backends' execution plans: raised when a backend's speed can change
 #: (its plan, not only its numbers), so that choices calibrated before are timed again.
-PLAN_REVISION = 2
+PLAN_REVISION = 3
 
 
 def _machine_key(key: str) -> str:

@@ -65,16 +65,20 @@ _MAX_BLOCK = 128
 
 
 def strip_block(window: int, seq_len: int) -> int:
-    """Query rows per chunk: ``W / 4`` rounded down to a power of two, clamped to [32, 128].
+    """Query rows per chunk: ``W / 4`` rounded down to a power of two, clamped to
+    ``[min(32, W), 128]``.
 
     A chunk computes ``b x (W - 1 + b)`` scores for ``b x W`` useful ones at
     most, so the waste is about ``b / W``; each chunk also costs the kernel a
     fixed set-up, so chunks should not be tiny. ``W / 4`` within ``[32, 128]``
-    measured best on a 2-core CPU at head dims 32 and 64.
+    measured best on a 2-core CPU at head dims 32 and 64. Windows below 32 take
+    ``b = W``: with 32 rows a window of 16 computed 47 scores per row for 16
+    useful ones (docs/backends.md, "Chunk size", for the measurement).
     """
     quarter = max(1, window // 4)
     power = 1 << (quarter.bit_length() - 1)
-    return max(1, min(max(power, _MIN_BLOCK), _MAX_BLOCK, max(1, seq_len - window)))
+    floor = min(_MIN_BLOCK, window)
+    return max(1, min(max(power, floor), _MAX_BLOCK, max(1, seq_len - window)))
 
 
 def strip_entries(window: int, seq_len: int, block: int | None = None, *, sink_tokens: int = 0) -> int:
