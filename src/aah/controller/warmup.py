@@ -21,8 +21,8 @@ far cost is averaged over ranks first, so every rank ends it at the same step.
 many steps of the grid before the warm-up ends. The cost table is an EMA of
 one-batch estimates, and one batch can spike it past the threshold before any
 lookup has formed: on recall seed 1 a single spike (0.085 to 0.214 nats/token in
-one grid step, decaying again at the EMA's rate) ended the warm-up at step 3,680,
-long before full attention's lookup forms on that seed (about step 4,600), and
+one grid step, back below 0.1 40 steps later) ended the warm-up at step 3,680,
+long before full attention's lookup forms on that seed (between steps 4,500 and 4,750), and
 the run never learnt recall. A lookup forming raises the cost and keeps it up.
 """
 
