@@ -10,7 +10,14 @@ import torch
 
 import aah
 from aah.backends import BackendUnavailable, executed_coverage, get_backend
-from aah.backends.banded import band_plan, banded_group_attention, block_size, planned_entries
+from aah.backends.banded import (
+    _permute_heads,
+    band_plan,
+    banded_group_attention,
+    block_size,
+    planned_entries,
+    restore_head_order,
+)
 from aah.backends.flex import FLEX_BLOCK, band_block_mask, band_tiles
 from aah.bench.attention import bench_attention, format_table, mix_head_counts, mix_windows
 from aah.cli import main
@@ -90,6 +97,21 @@ def test_banded_bfloat16_gradients_match_float64_reference(ref_attention):
     q, k, v = _qkv(2, 4, 2, 90, 16)
     windows = [6, 6, 33, 90]
     check_low_precision(q, k, v, windows, "banded", torch.bfloat16, ref_attention)
+
+
+@pytest.mark.parametrize("order", [[2, 0, 3, 1], [3, 2, 1, 0], [1, 0, 2, 3]])
+def test_head_permutation_and_its_gradient_match_indexing(order):
+    # The grouped call reorders heads by window; its custom backward must be x[:, order]'s.
+    x = torch.randn(2, 4, 5, 3, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(2, 4, 5, 3, dtype=torch.float64)
+    (_permute_heads(x, order) * weight).sum().backward()
+    ours = x.grad.clone()
+    x.grad = None
+    (x[:, order] * weight).sum().backward()
+    torch.testing.assert_close(ours, x.grad, rtol=0, atol=0)
+    permuted = _permute_heads(x, order)
+    torch.testing.assert_close(restore_head_order([permuted[:, :1], permuted[:, 1:]], order), x)
+    assert torch.autograd.gradcheck(lambda t: _permute_heads(t, order), (x,))
 
 
 def check_low_precision(q, k, v, windows, backend, dtype, ref_attention, tol=4e-2):
