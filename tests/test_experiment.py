@@ -274,3 +274,14 @@ def test_records_must_be_a_folder(tiny_suite, tmp_path):
     not_a_folder.write_text("x")
     with pytest.raises(CLIError, match=r"--records: .*records is a file, not a folder"):
         run_experiment(str(tiny_suite), str(tmp_path / "out"), None, 1, records=str(not_a_folder))
+
+
+def test_runs_share_the_cores_this_process_may_use(monkeypatch):
+    # Under ``taskset -c 0`` a suite has one core, whatever the machine has.
+    from aah.experiment import suite as suite_mod
+
+    monkeypatch.setattr(suite_mod.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    monkeypatch.setattr(suite_mod.os, "cpu_count", lambda: 64)
+    assert suite_mod.usable_cores() == 1
+    monkeypatch.setattr(suite_mod.os, "sched_getaffinity", lambda pid: {0, 3, 5}, raising=False)
+    assert suite_mod.usable_cores() == 3

@@ -285,6 +285,13 @@ INTERRUPTED = 130
 NOT_STARTED = "not started: the suite was stopped"
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, e.g. under ``taskset``), not the machine's."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
 def _execute(spec: RunSpec, threads: int, stopping: threading.Event,
              records: Path | None = None) -> tuple[RunSpec, int, str]:
     if stopping.is_set():
@@ -371,7 +378,7 @@ def run_suite(
     if records is not None:
         for line in sync_records(specs, records):
             print(line, file=sys.stderr)
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     threads = max(1, cores // max(1, jobs))
     failures = []
     done = [s for s in specs if run_state(s.run_dir) == "done" and not config_mismatch(s)]
