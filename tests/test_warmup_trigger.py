@@ -119,3 +119,15 @@ def test_patience_ignores_a_spike_and_waits_for_a_cost_that_stays_up():
     assert settle_warmup([ctrl], 25) is None  # 5 steps above
     assert settle_warmup([ctrl], 30) == 30  # 10 steps above
     assert ctrl.warmup_steps == 30
+
+
+def test_a_far_cost_checkpoint_from_before_the_patience_still_loads():
+    ctrl = _controller(patience=10)
+    _set_costs(ctrl, [0.3, 0.0, 0.0, 0.0])
+    settle_warmup([ctrl], 10)
+    assert int(ctrl.far_cost_since) == 10
+    old = {k: v for k, v in _controller().state_dict().items() if k != "far_cost_since"}
+    old["warmup_end"] = torch.tensor(25)
+    ctrl.load_state_dict(old)  # strict: the missing buffer is filled in, not reported
+    assert int(ctrl.far_cost_since) == -1
+    assert int(ctrl.warmup_end) == 25

@@ -193,6 +193,7 @@ class HeadController(nn.Module):
         self.last_decision: Decision | None = None
         self.last_stop_reason: str | None = None  # why the last hierarchy build stopped growing
         self.register_load_state_dict_post_hook(lambda module, _incompatible: module._refresh_mirrors())
+        self.register_load_state_dict_pre_hook(_default_far_cost_since)
 
     def _check_budget_settings(self) -> None:
         cfg = self.config
@@ -598,3 +599,14 @@ class HeadController(nn.Module):
             f"heads={self.num_heads}, windows={list(self.candidates)}, grouping={cfg.grouping}, "
             f"hierarchy={list(cfg.hierarchy)}, topology={cfg.topology}, scoring={cfg.scoring}"
         )
+
+
+def _default_far_cost_since(_module, state_dict, prefix, *_args) -> None:
+    """Checkpoints of the far-cost warm-up made before its patience existed lack ``far_cost_since``.
+
+    Its value there is "no run of high far costs under way" (-1): with no patience the warm-up
+    ended at the first crossing, and once it has ended the buffer is never read again.
+    """
+    if prefix + "warmup_end" in state_dict and prefix + "far_cost_since" not in state_dict:
+        state_dict[prefix + "far_cost_since"] = torch.tensor(-1, dtype=torch.long)
+
