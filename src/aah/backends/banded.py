@@ -595,6 +595,14 @@ def _permute_heads(x: torch.Tensor, order: list[int]) -> torch.Tensor:
     return _HeadPermutation.apply(x, order)
 
 
+def _inverse_order(order: list[int]) -> list[int]:
+    """The permutation that undoes ``order``: ``inverse[order[i]] = i``."""
+    inverse = [0] * len(order)
+    for position, head in enumerate(order):
+        inverse[head] = position
+    return inverse
+
+
 class _HeadPermutation(torch.autograd.Function):
     """``x[:, order]`` whose gradient is the inverse permutation of the incoming one.
 
@@ -608,10 +616,7 @@ class _HeadPermutation(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, order: list[int]) -> torch.Tensor:
-        inverse = [0] * len(order)
-        for position, head in enumerate(order):
-            inverse[head] = position
-        ctx.inverse = torch.tensor(inverse, device=x.device)
+        ctx.inverse = torch.tensor(_inverse_order(order), device=x.device)
         return x.index_select(1, torch.tensor(order, device=x.device))
 
     @staticmethod
@@ -629,9 +634,4 @@ def _take_heads(x: torch.Tensor, heads: list[int]) -> torch.Tensor:
 def restore_head_order(outputs: list[torch.Tensor], order: list[int]) -> torch.Tensor:
     """Concatenate per-group outputs (B, g, T, D) and put the heads back in ``order``."""
     stacked = torch.cat(outputs, dim=1) if len(outputs) > 1 else outputs[0]
-    if order == sorted(order):
-        return stacked
-    inverse = [0] * len(order)
-    for position, head in enumerate(order):
-        inverse[head] = position
-    return _permute_heads(stacked, inverse)
+    return _permute_heads(stacked, _inverse_order(order))

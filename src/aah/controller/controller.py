@@ -178,6 +178,7 @@ class HeadController(nn.Module):
             self.register_buffer("warmup_end", torch.tensor(-1, dtype=torch.long))
             # The first grid step of the current run of far costs at or above the threshold, -1 if none.
             self.register_buffer("far_cost_since", torch.tensor(-1, dtype=torch.long))
+            self.register_load_state_dict_pre_hook(_default_far_cost_since)
         self._pending_change: tuple[torch.Tensor, torch.Tensor] | None = None
 
         gen = _generator(config.seed, "scorers", layer_idx)
@@ -193,7 +194,6 @@ class HeadController(nn.Module):
         self.last_decision: Decision | None = None
         self.last_stop_reason: str | None = None  # why the last hierarchy build stopped growing
         self.register_load_state_dict_post_hook(lambda module, _incompatible: module._refresh_mirrors())
-        self.register_load_state_dict_pre_hook(_default_far_cost_since)
 
     def _check_budget_settings(self) -> None:
         cfg = self.config
@@ -607,6 +607,5 @@ def _default_far_cost_since(_module, state_dict, prefix, *_args) -> None:
     Its value there is "no run of high far costs under way" (-1): with no patience the warm-up
     ended at the first crossing, and once it has ended the buffer is never read again.
     """
-    if prefix + "warmup_end" in state_dict and prefix + "far_cost_since" not in state_dict:
+    if prefix + "far_cost_since" not in state_dict:
         state_dict[prefix + "far_cost_since"] = torch.tensor(-1, dtype=torch.long)
-
