@@ -20,7 +20,9 @@ from aah.config import load_config
 from aah.evaluate import evaluate_run
 from aah.train import TrainingStopped, lr_at, train
 from aah.train import checkpoint as ckpt
+from aah.train import run_dir
 from aah.train.checkpoint import checkpoint_dir, latest_checkpoint, list_checkpoints
+from aah.train.run_dir import machine_description
 
 TEXT = (
     "Now is the winter of our discontent made glorious summer by this sun of York; "
@@ -100,6 +102,8 @@ def test_run_folder_has_config_metrics_checkpoints_and_meta(corpus, tmp_path):
     meta = json.loads((run / "meta.json").read_text())
     assert meta["status"] == "complete" and meta["seed"] == 0 and meta["regime"] == "full_adaptive"
     assert meta["backend"] and meta["torch"] == torch.__version__
+    assert meta["machines"] == [machine_description(torch.device("cpu"))]
+    assert meta["machines"][0]["cpu"] and meta["machines"][0]["torch_threads"] == torch.get_num_threads()
     assert [s for s, _ in list_checkpoints(run)] == [4, 8, 12]
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     train_steps = [r["step"] for r in records if r["kind"] == "train"]
@@ -109,6 +113,19 @@ def test_run_folder_has_config_metrics_checkpoints_and_meta(corpus, tmp_path):
     assert sum(last["bucket_fractions"].values()) == pytest.approx(1.0)
     assert 0 < last["acr"] <= 1 and last["levels_used"] >= 1
     assert not list((run / "checkpoints").glob(".tmp-*"))
+
+
+def test_meta_lists_each_machine_a_run_trained_on_once_in_order(tmp_path, monkeypatch):
+    cpu = torch.device("cpu")
+    run_dir.update_meta(tmp_path, machines=[machine_description(cpu)])
+    run_dir.add_machine(tmp_path, cpu)  # resumed where it started: nothing new
+    here = machine_description(cpu)
+    assert run_dir.read_meta(tmp_path)["machines"] == [here]
+    other = {**here, "cpu": "Another CPU", "cpu_count": 64}
+    monkeypatch.setattr(run_dir, "machine_description", lambda device: other)
+    run_dir.add_machine(tmp_path, cpu)
+    run_dir.add_machine(tmp_path, cpu)
+    assert run_dir.read_meta(tmp_path)["machines"] == [here, other]
 
 
 def test_resumed_run_matches_uninterrupted_run_exactly(corpus, tmp_path):

@@ -4,7 +4,7 @@ Layout::
 
     RUN/
       config.yaml        resolved configuration
-      meta.json          version, commit, seed, regime, backend, device, times, status
+      meta.json          version, commit, seed, regime, backend, device, machines, times, status
       metrics.jsonl      one JSON object per logged step ("kind": "train" or "eval")
       tensorboard/       event files (when tensorboard is installed)
       checkpoints/       one folder per checkpoint (see aah.train.checkpoint)
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -23,7 +24,10 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["MetricsLog", "write_json_atomic", "read_meta", "update_meta", "git_commit", "now_iso", "peak_memory_mb"]
+__all__ = [
+    "MetricsLog", "write_json_atomic", "read_meta", "update_meta", "git_commit", "now_iso", "peak_memory_mb",
+    "machine_description", "add_machine",
+]
 
 
 def now_iso() -> str:
@@ -65,6 +69,39 @@ def git_commit() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (Linux ``/proc/cpuinfo``; elsewhere what ``platform`` says)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_description(device: torch.device) -> dict:
+    """Where a run trains: CPU model, cores, torch threads, and the GPU when there is one.
+
+    Kernels round differently on another CPU or GPU, so a run repeats to the
+    last digit only where it was trained (docs/reproducing.md, "How far a run
+    repeats"); the run folder keeps this to say where that was.
+    """
+    machine = {"cpu": _cpu_model(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        machine["accelerator"] = torch.cuda.get_device_name(device)
+    return machine
+
+
+def add_machine(run_dir: Path, device: torch.device) -> dict:
+    """Append this machine to ``meta.json``'s ``machines`` unless it is already the last one."""
+    machines = list(read_meta(run_dir).get("machines", []))
+    here = machine_description(device)
+    if not machines or machines[-1] != here:
+        machines.append(here)
+    return update_meta(run_dir, machines=machines)
 
 
 def peak_memory_mb(device: torch.device) -> float:

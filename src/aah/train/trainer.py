@@ -55,7 +55,9 @@ from .distributed import (
     shutdown,
     wrap_model,
 )
-from .run_dir import MetricsLog, git_commit, now_iso, peak_memory_mb, update_meta
+from .run_dir import (
+    MetricsLog, add_machine, git_commit, machine_description, now_iso, peak_memory_mb, update_meta,
+)
 from .setup import (
     autocast_context,
     data_from_config,
@@ -221,6 +223,7 @@ class _Training:
             candidate_windows=list(ctrls[0].candidates) if ctrls else [self.cfg.data.seq_len],
             parameters=self.model.num_parameters(),
             config=config_to_dict(self.cfg),
+            machines=[machine_description(self.device)],
         )
 
     def _resume(self) -> None:
@@ -253,6 +256,7 @@ class _Training:
         if self.info.is_main:
             update_meta(self.run_dir, status="running", resumed_from=step, end_time=None,
                         skipped_checkpoints=skipped)
+            add_machine(self.run_dir, self.device)
             print(f"resuming {self.run_dir} from step {step}", file=sys.stderr)
 
     def _restore_rng(self, state: dict) -> None:
