@@ -18,9 +18,8 @@ import torch
 from aah.cli import main
 from aah.config import load_config
 from aah.evaluate import evaluate_run
-from aah.train import TrainingStopped, lr_at, train
+from aah.train import TrainingStopped, lr_at, run_dir, train
 from aah.train import checkpoint as ckpt
-from aah.train import run_dir
 from aah.train.checkpoint import checkpoint_dir, latest_checkpoint, list_checkpoints
 from aah.train.run_dir import machine_description
 
@@ -115,17 +114,17 @@ def test_run_folder_has_config_metrics_checkpoints_and_meta(corpus, tmp_path):
     assert not list((run / "checkpoints").glob(".tmp-*"))
 
 
-def test_meta_lists_each_machine_a_run_trained_on_once_in_order(tmp_path, monkeypatch):
+def test_meta_lists_each_machine_a_run_trained_on_once_in_order(monkeypatch):
     cpu = torch.device("cpu")
-    run_dir.update_meta(tmp_path, machines=[machine_description(cpu)])
-    run_dir.add_machine(tmp_path, cpu)  # resumed where it started: nothing new
     here = machine_description(cpu)
-    assert run_dir.read_meta(tmp_path)["machines"] == [here]
+    started = run_dir.machines_with([], cpu)
+    assert started == [here]
+    assert run_dir.machines_with(started, cpu) == [here]  # resumed where it started: nothing new
     other = {**here, "cpu": "Another CPU", "cpu_count": 64}
     monkeypatch.setattr(run_dir, "machine_description", lambda device: other)
-    run_dir.add_machine(tmp_path, cpu)
-    run_dir.add_machine(tmp_path, cpu)
-    assert run_dir.read_meta(tmp_path)["machines"] == [here, other]
+    moved = run_dir.machines_with(started, cpu)
+    assert moved == [here, other] and started == [here]
+    assert run_dir.machines_with(moved, cpu) == [here, other]
 
 
 def test_resumed_run_matches_uninterrupted_run_exactly(corpus, tmp_path):
@@ -174,7 +173,9 @@ def test_killed_run_resumes_to_the_same_end_as_an_uninterrupted_run(corpus, tmp_
     assert final_train_record(killed)["step"] < 24
     resumed = train(load_config(killed / "config.yaml"), killed, resume=True)
     assert resumed.step == 24
-    assert json.loads((killed / "meta.json").read_text())["resumed_from"] == step
+    resumed_meta = json.loads((killed / "meta.json").read_text())
+    assert resumed_meta["resumed_from"] == step
+    assert resumed_meta["machines"] == [machine_description(torch.device("cpu"))]  # resumed where it started
     a, b = final_train_record(full), final_train_record(killed)
     assert a["loss"] == b["loss"] and a["windows"] == b["windows"]
 

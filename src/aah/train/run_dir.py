@@ -26,7 +26,7 @@ import torch
 
 __all__ = [
     "MetricsLog", "write_json_atomic", "read_meta", "update_meta", "git_commit", "now_iso", "peak_memory_mb",
-    "machine_description", "add_machine",
+    "machine_description", "machines_with",
 ]
 
 
@@ -95,13 +95,10 @@ def machine_description(device: torch.device) -> dict:
     return machine
 
 
-def add_machine(run_dir: Path, device: torch.device) -> dict:
-    """Append this machine to ``meta.json``'s ``machines`` unless it is already the last one."""
-    machines = list(read_meta(run_dir).get("machines", []))
+def machines_with(machines: list[dict], device: torch.device) -> list[dict]:
+    """``meta.json``'s ``machines`` after a (re)start here: this machine appended unless it is the last one."""
     here = machine_description(device)
-    if not machines or machines[-1] != here:
-        machines.append(here)
-    return update_meta(run_dir, machines=machines)
+    return list(machines) if machines and machines[-1] == here else [*machines, here]
 
 
 def peak_memory_mb(device: torch.device) -> float:

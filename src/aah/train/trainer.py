@@ -56,7 +56,13 @@ from .distributed import (
     wrap_model,
 )
 from .run_dir import (
-    MetricsLog, add_machine, git_commit, machine_description, now_iso, peak_memory_mb, update_meta,
+    MetricsLog,
+    git_commit,
+    machines_with,
+    now_iso,
+    peak_memory_mb,
+    read_meta,
+    update_meta,
 )
 from .setup import (
     autocast_context,
@@ -223,7 +229,7 @@ class _Training:
             candidate_windows=list(ctrls[0].candidates) if ctrls else [self.cfg.data.seq_len],
             parameters=self.model.num_parameters(),
             config=config_to_dict(self.cfg),
-            machines=[machine_description(self.device)],
+            machines=machines_with([], self.device),
         )
 
     def _resume(self) -> None:
@@ -254,9 +260,9 @@ class _Training:
         self.train_time = state.get("train_time", 0.0)
         self.last_logged_windows = state.get("last_logged_windows", self.last_logged_windows)
         if self.info.is_main:
+            machines = machines_with(read_meta(self.run_dir).get("machines", []), self.device)
             update_meta(self.run_dir, status="running", resumed_from=step, end_time=None,
-                        skipped_checkpoints=skipped)
-            add_machine(self.run_dir, self.device)
+                        skipped_checkpoints=skipped, machines=machines)
             print(f"resuming {self.run_dir} from step {step}", file=sys.stderr)
 
     def _restore_rng(self, state: dict) -> None:
