@@ -444,3 +444,13 @@ def test_model_config():
         model_config(load_config(None, ["model.vocab_size=256"]), 300)
     with raises_naming("vocab_size"):
         model_config(cfg, 0)
+
+
+def test_run_config_key_window_granularity() -> None:
+    from aah.config import ConfigError, controller_config, load_config
+
+    assert controller_config(load_config(None)).window_granularity == "head"
+    cfg = load_config(None, ["aah.window_granularity=kv_group"])
+    assert controller_config(cfg).window_granularity == "kv_group"
+    with pytest.raises(ConfigError, match=r"aah\.window_granularity.*head, kv_group"):
+        load_config(None, ["aah.window_granularity=layer"])

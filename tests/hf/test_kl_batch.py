@@ -19,7 +19,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noq
 from aah.controller.features import sample_query_positions  # noqa: E402
 from aah.hf.loss_estimate import measure_window_kl  # noqa: E402
 
-from .conftest import reference_attention  # noqa: E402
+from ..conftest import reference_attention  # noqa: E402
 
 VOCAB, T, HEADS, KV_HEADS, DIM = 300, 48, 4, 2, 8
 CANDIDATES = (4, 12, 24, 48)

@@ -9,7 +9,7 @@ import aah
 from aah.backends import halves
 from aah.backends.halves import balanced_causal, causal_backward, causal_forward, cut_in_halves
 
-from .test_backends_fast import _check, _qkv
+from .test_banded_and_flex import _check, _qkv
 
 
 @pytest.mark.parametrize("items, seq_len, threads, expected", [
@@ -77,7 +77,7 @@ def test_strips_with_every_causal_part_cut_in_halves_is_exact(ref_attention, mon
 
 
 def test_halves_in_bfloat16_match_the_float64_reference(ref_attention, monkeypatch):
-    from .test_backends_fast import check_low_precision
+    from .test_banded_and_flex import check_low_precision
 
     monkeypatch.setattr(halves, "cut_in_halves", lambda items, seq_len, threads=None: True)
     q, k, v = _qkv(1, 1, 1, 64, 16)

@@ -13,7 +13,7 @@ from aah.backends import executed_coverage, resolve_backend
 from aah.backends.strips import strip_attention, strip_block, strip_entries
 from aah.windows import causal_pairs
 
-from .test_backends_fast import CASES, _check, _qkv, check_low_precision
+from .test_banded_and_flex import CASES, _check, _qkv, check_low_precision
 
 # Windows not multiples of the block, T not a multiple of the block, T - W not a
 # multiple of the block (padded last chunk), W = 1, W = T - 1, W >= T, GQA.

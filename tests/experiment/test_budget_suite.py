@@ -10,7 +10,7 @@ import yaml
 from aah.config import ConfigError
 from aah.experiment.suite import load_suite, plan_runs
 
-SUITE = Path(__file__).resolve().parents[1] / "configs" / "suites" / "cpu" / "policies.yaml"
+SUITE = Path(__file__).resolve().parents[2] / "configs" / "suites" / "cpu" / "policies.yaml"
 
 
 def test_policies_suite_plans_every_policy_budget_and_seed(tmp_path):

@@ -17,7 +17,7 @@ from aah.vllm import paged as paged_module
 from aah.vllm.paged import Batch, PagedKV, windowed_attention
 from aah.vllm.plan import plan_layer, rank_heads
 
-from .conftest import reference_attention
+from ..conftest import reference_attention
 
 D = 16
 BLOCK = 8
@@ -282,7 +282,7 @@ def test_plan_refuses_head_counts_the_ranks_cannot_split():
 
 # ---- vLLM with the plugin against aah.hf's patched model (end to end) -----------------------
 
-VLLM_PYTHON = Path(os.environ.get("AAH_VLLM_PYTHON", Path(__file__).resolve().parents[1] / ".venv-vllm" / "bin" / "python"))
+VLLM_PYTHON = Path(os.environ.get("AAH_VLLM_PYTHON", Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"))
 E2E_VOCAB = 300
 MAX_LEN = 512
 #: (layers, query heads) windows of the tiny model: GQA pairs, one group with two windows.

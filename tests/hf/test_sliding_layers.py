@@ -24,8 +24,8 @@ from aah.hf.evaluate import Setting, uniform_setting  # noqa: E402
 from aah.hf.loss_estimate import measure_window_kl, window_output_change  # noqa: E402
 from aah.windows import causal_coverage, causal_pairs  # noqa: E402
 
-from .conftest import reference_attention  # noqa: E402
-from .test_hf_patch import VOCAB, _tiny  # noqa: E402
+from ..conftest import reference_attention  # noqa: E402
+from .test_patch import VOCAB, _tiny  # noqa: E402
 
 T = 64
 CANDS = (8, 16, 32, 64)

@@ -13,7 +13,7 @@ from aah.errors import CLIError
 from aah.experiment import load_suite, plan_runs, run_state, run_suite
 from aah.experiment.cli import run_experiment
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -520,16 +520,6 @@ def test_kv_group_granularity_shares_the_largest_window_and_memory_equals_acr() 
     assert cache.memory_bytes() / cache.full_memory_bytes() == pytest.approx(acr(model.aah_windows(), T_MAX))
 
 
-def test_run_config_key_window_granularity() -> None:
-    from aah.config import ConfigError, controller_config, load_config
-
-    assert controller_config(load_config(None)).window_granularity == "head"
-    cfg = load_config(None, ["aah.window_granularity=kv_group"])
-    assert controller_config(cfg).window_granularity == "kv_group"
-    with pytest.raises(ConfigError, match=r"aah\.window_granularity.*head, kv_group"):
-        load_config(None, ["aah.window_granularity=layer"])
-
-
 def test_bfloat16_model_decodes_through_a_bfloat16_cache(decode_path: str) -> None:
     """End to end in bfloat16 (GQA, mixed windows): close to the float64 reference of the same weights."""
     windows, kv, _ = CASES["gqa_mixed_rope"]

@@ -14,9 +14,9 @@ from aah.backends.sinks import sink_span
 from aah.backends.strips import strip_entries
 from aah.windows import causal_coverage
 
-from .conftest import reference_attention
-from .test_backends_fast import _check as check_reference
-from .test_backends_fast import _qkv
+from ..conftest import reference_attention
+from .test_banded_and_flex import _check as check_reference
+from .test_banded_and_flex import _qkv
 
 CUDA = torch.cuda.is_available()
 

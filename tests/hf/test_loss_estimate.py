@@ -15,8 +15,8 @@ from aah.hf.loss_estimate import measure_window_kl, window_output_change  # noqa
 from aah.hf.windows_file import load_windows  # noqa: E402
 from aah.windows import causal_coverage  # noqa: E402
 
-from .conftest import reference_attention  # noqa: E402
-from .test_hf_calibrate import VOCAB, _batches, _error, _llama, tiny_model_dir  # noqa: E402,F401
+from ..conftest import reference_attention  # noqa: E402
+from .test_calibrate import VOCAB, _batches, _error, _llama, tiny_model_dir  # noqa: E402,F401
 
 CANDS = (8, 16, 32, 64)
 
