@@ -16,20 +16,21 @@ paper's scorers (docs/controller.md, "Budgeted windows"):
   (``uniform_exact``; the first heads or KV groups take the larger window).
 
 The windows are committed as chosen (no resolution EMA: smoothing indices could
-break the budget); the smoothing is the EMA of the lost-mass table.
+break the budget); the smoothing is the EMA of the lost-mass table. Each ``ctrl`` is a
+layer's :class:`.controller.HeadController`, typed as the ``nn.Module`` it is: the
+controller calls this module, which therefore does not import it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from .budget import choose_windows, full_heads_choice, uniform_choice, window_costs
-
-if TYPE_CHECKING:
-    from .controller import HeadController
+from .hierarchy import parents_of
+from .ranks import mean_over_ranks
 
 __all__ = [
     "budget_head_index",
@@ -42,11 +43,11 @@ __all__ = [
 ]
 
 
-def _costs(ctrl: HeadController) -> list[int]:
+def _costs(ctrl: nn.Module) -> list[int]:
     return window_costs(ctrl.candidates, ctrl.max_seq_len, ctrl.min_window)
 
 
-def _items(ctrl: HeadController) -> list[list[int]]:
+def _items(ctrl: nn.Module) -> list[list[int]]:
     """The heads of each knapsack item: single heads, or the heads of each KV group."""
     if ctrl.config.window_granularity == "kv_group":
         per = ctrl.num_heads // ctrl.num_kv_heads
@@ -65,7 +66,7 @@ def _to_heads(items: Sequence[Sequence[int]], choice: Sequence[int], num_heads: 
     return out
 
 
-def uniform_head_index(ctrl: HeadController) -> torch.Tensor:
+def uniform_head_index(ctrl: nn.Module) -> torch.Tensor:
     """The ``uniform_window`` baseline's candidate index per head."""
     items = _items(ctrl)
     size = len(items[0])
@@ -76,13 +77,13 @@ def uniform_head_index(ctrl: HeadController) -> torch.Tensor:
     return _to_heads(items, choice, ctrl.num_heads)
 
 
-def full_heads_head_index(ctrl: HeadController) -> torch.Tensor:
+def full_heads_head_index(ctrl: nn.Module) -> torch.Tensor:
     """The fixed ``full_heads`` layout: the first heads full, the rest at the smallest window."""
     choice = full_heads_choice(_costs(ctrl), ctrl.config.budget, ctrl.num_heads, ctrl.max_seq_len)
     return torch.tensor(choice, dtype=torch.long)
 
 
-def loss_aware_head_index(ctrl: HeadController) -> torch.Tensor:
+def loss_aware_head_index(ctrl: nn.Module) -> torch.Tensor:
     """``loss_aware``: the knapsack over each head's estimated loss cost (:mod:`.loss_aware`).
 
     The table is averaged over ranks here, so every rank decides the same windows; before
@@ -90,14 +91,12 @@ def loss_aware_head_index(ctrl: HeadController) -> torch.Tensor:
     """
     if not bool(ctrl.loss_cost_ready):
         return uniform_head_index(ctrl)
-    from .controller import _mean_over_ranks
-
-    cost = _mean_over_ranks(ctrl.loss_cost.detach().clone()).double().cpu()
+    cost = mean_over_ranks(ctrl.loss_cost.detach().clone()).double().cpu()
     choice = choose_windows(cost, _costs(ctrl), ctrl.config.budget, ctrl.max_seq_len)
     return torch.tensor(choice, dtype=torch.long)
 
 
-def budget_head_index(ctrl: HeadController) -> torch.Tensor:
+def budget_head_index(ctrl: nn.Module) -> torch.Tensor:
     """Layer scope: the lost-mass knapsack over this layer's heads (or KV groups)."""
     if not bool(ctrl.lost_mass_ready):
         return uniform_head_index(ctrl)  # nothing measured yet: the uniform split of the budget
@@ -116,12 +115,10 @@ def _heads_per_item(topology) -> list[list[list[int]]]:
     return heads
 
 
-def grouped_budget_head_index(ctrl: HeadController, topology) -> torch.Tensor:
+def grouped_budget_head_index(ctrl: nn.Module, topology) -> torch.Tensor:
     """``budgeted_grouped``: a knapsack per hierarchy level, top down, clamped to the parent's index."""
     if not bool(ctrl.lost_mass_ready):
         return uniform_head_index(ctrl)
-    from .hierarchy import parents_of
-
     lost = ctrl.lost_mass.cpu()
     costs = _costs(ctrl)
     k = len(costs)
@@ -139,7 +136,7 @@ def grouped_budget_head_index(ctrl: HeadController, topology) -> torch.Tensor:
     return _to_heads(members[0], index, ctrl.num_heads)
 
 
-def settle_model_budget(controllers: Sequence[HeadController]) -> bool:
+def settle_model_budget(controllers: Sequence[nn.Module]) -> bool:
     """Model scope: one knapsack over every layer's heads, once per control step.
 
     Each layer measured its lost mass during the forward of a control step and
@@ -167,7 +164,7 @@ def settle_model_budget(controllers: Sequence[HeadController]) -> bool:
     return True
 
 
-def lost_mass_metrics(controllers: Sequence[HeadController]) -> dict:
+def lost_mass_metrics(controllers: Sequence[nn.Module]) -> dict:
     """Per-layer lost mass for the training log (empty before the first measurement).
 
     * ``lost_mass``: (layers, K) mean over heads of the smoothed lost mass at each candidate;

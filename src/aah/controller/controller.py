@@ -25,7 +25,6 @@ import hashlib
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..windows import candidate_windows
@@ -55,6 +54,7 @@ from .hierarchy import (
     topology_to_tensor,
 )
 from .lost_mass import lost_mass as measure_lost_mass
+from .ranks import mean_over_ranks
 from .scoring import SeededMLP, enrich, level_coordinate, score_level
 from .selection import (
     execution_windows,
@@ -78,14 +78,6 @@ def derive_seed(*parts: object) -> int:
 
 def _generator(*parts: object) -> torch.Generator:
     return torch.Generator().manual_seed(derive_seed(*parts))
-
-
-def _mean_over_ranks(x: torch.Tensor) -> torch.Tensor:
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        x = x.clone()
-        dist.all_reduce(x, op=dist.ReduceOp.SUM)
-        x /= dist.get_world_size()
-    return x
 
 
 @dataclass
@@ -334,7 +326,7 @@ class HeadController(nn.Module):
     @torch.no_grad()
     def observe(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Update the feature EMA with the current base features; returns the smoothed features."""
-        stats = statistics_from_moments(_mean_over_ranks(qkv_moments(q, k, v)))
+        stats = statistics_from_moments(mean_over_ranks(qkv_moments(q, k, v)))
         current = torch.cat([stats, self.last_diagnostics.to(stats)], dim=1).to(self.feature_ema)
         if bool(self.feature_ema_ready):
             alpha = self.config.feature_ema
@@ -363,7 +355,7 @@ class HeadController(nn.Module):
             q, k, v, long_range=self.candidates[0], num_queries=self.config.diagnostic_queries,
             windows=windows, sampled=sampled,
         )
-        self.last_diagnostics.copy_(_mean_over_ranks(diag).to(self.last_diagnostics))
+        self.last_diagnostics.copy_(mean_over_ranks(diag).to(self.last_diagnostics))
         self.has_diagnostics.fill_(True)
 
     @torch.no_grad()
@@ -373,7 +365,7 @@ class HeadController(nn.Module):
         current = measure_lost_mass(
             q, k, windows, num_queries=self.config.diagnostic_queries, start=self.candidates[0], sampled=sampled
         )
-        current = _mean_over_ranks(current.to(self.lost_mass))
+        current = mean_over_ranks(current.to(self.lost_mass))
         if bool(self.lost_mass_ready):
             alpha = self.config.lost_mass_ema
             self.lost_mass.mul_(alpha).add_(current, alpha=1.0 - alpha)

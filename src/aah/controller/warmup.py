@@ -32,7 +32,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .controller import HeadController, _mean_over_ranks
+from .controller import HeadController
+from .ranks import mean_over_ranks
 
 __all__ = ["far_cost", "settle_warmup"]
 
@@ -52,7 +53,7 @@ def _held_long_enough(waiting: Sequence[HeadController], step: int, threshold: f
     """Track the run of grid steps whose far cost is at or above ``threshold``; True once it has
     lasted ``patience`` steps (at once for patience 0)."""
     costs = torch.tensor([far_cost(c) for c in waiting], dtype=torch.float64)
-    above = float(_mean_over_ranks(costs).max()) >= threshold
+    above = float(mean_over_ranks(costs).max()) >= threshold
     since = int(waiting[0].far_cost_since)
     since = (step if since < 0 else since) if above else -1
     for ctrl in waiting:
