@@ -1,4 +1,4 @@
-"""Atomic file writes: write under a temporary name, then :func:`os.replace` into place."""
+"""The data caches' files: their folder, and atomic writes (a temporary name, then :func:`os.replace`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,13 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["atomic_path"]
+__all__ = ["atomic_path", "default_cache_dir"]
+
+
+def default_cache_dir() -> Path:
+    """``$AAH_CACHE_DIR`` if set, else ``~/.cache/aah``."""
+    env = os.environ.get("AAH_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "aah"
 
 
 @contextlib.contextmanager

@@ -31,19 +31,13 @@ from typing import BinaryIO
 
 import numpy as np
 
-from ._files import atomic_path
+from ._files import atomic_path, default_cache_dir
 from .corpora import Corpus
 from .tokenizers import Tokenizer
 
 __all__ = ["default_cache_dir", "encode_corpus", "token_cache_path", "write_array_atomic"]
 
 CACHE_FORMAT = "tokens-v1"
-
-
-def default_cache_dir() -> Path:
-    """``$AAH_CACHE_DIR`` if set, else ``~/.cache/aah``."""
-    env = os.environ.get("AAH_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "aah"
 
 
 def _slug(name: str) -> str:

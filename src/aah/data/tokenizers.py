@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._files import atomic_path
+from ._files import atomic_path, default_cache_dir
 from .corpora import Corpus, load_corpus
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -281,7 +281,5 @@ def get_tokenizer(
             corpus = load_corpus(corpus, "train", val_fraction)
         if corpus.split == "val":
             raise ValueError("refusing to train bpe on a validation split; pass the train split")
-        from .cache import default_cache_dir
-
         return _load_or_train_bpe(corpus, vocab_size, cache_dir or default_cache_dir(), verbose)
     raise ValueError(f"unknown tokenizer {spec!r}: use 'byte', 'bpe' or 'hf:/local/path'")
