@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from .figures import FigureResult, _color, bucket_matrix, write_figures
+from .figures import FigureResult, bucket_matrix, palette_color, write_figures
 from .recall import plot_recall_vs_distance, recall_table
 from .runs import Run, display_name, find_run_dirs, group_by_regime, load_run, load_runs
 from .stats import paired_difference, t_quantile_975
@@ -108,7 +108,7 @@ def write_report(run_dirs: list[Path], out_dir: Path, include_unfinished: bool =
         table.write_csv(out_dir / f"{stem}.csv")
     figures = write_figures(groups, out_dir)
     if recall is not None:
-        colors = {regime: _color(i) for i, regime in enumerate(groups)}
+        colors = {regime: palette_color(i) for i, regime in enumerate(groups)}
         figures.insert(0, plot_recall_vs_distance(groups, colors, out_dir / "recall_vs_distance.png"))
     bucket_lines = _write_bucket_csv(groups, out_dir / "window_buckets.csv")
     text = _render(runs, every_run, tables, figures, bucket_lines, notes + left_out + _run_notes(runs))

@@ -42,12 +42,14 @@ __all__ = [
     "coverage_points",
     "layer_curve",
     "mean_curve",
+    "palette_color",
     "plot_bucket_heatmap",
     "plot_coverage_vs_loss",
     "plot_lost_mass",
     "plot_train_metric",
     "plot_val_loss",
     "plot_window_map",
+    "save_png",
     "write_figures",
 ]
 
@@ -64,13 +66,15 @@ class FigureResult:
     note: str | None = None
 
 
-def _color(index: int) -> tuple[float, float, float, float]:
+def palette_color(index: int) -> tuple[float, float, float, float]:
+    """The ``index``-th colour of the report's palette (tab10, repeating after ten): one per policy."""
     from matplotlib import colormaps
 
     return colormaps["tab10"](index % 10)
 
 
-def _save(fig: Figure, path: Path) -> Path:
+def save_png(fig: Figure, path: Path) -> Path:
+    """Draw ``fig`` off screen and write it to ``path`` as a PNG (120 dpi); returns ``path``."""
     FigureCanvasAgg(fig)
     fig.savefig(path, dpi=120, format="png")
     return path
@@ -140,7 +144,7 @@ def plot_val_loss(groups: dict[str, list[Run]], colors: dict[str, tuple], path: 
         ax.grid(alpha=0.3)
     zoom_ax.legend(fontsize=8)
     fig.tight_layout()
-    return FigureResult(title, path=_save(fig, path))
+    return FigureResult(title, path=save_png(fig, path))
 
 
 def plot_train_metric(groups: dict[str, list[Run]], colors: dict[str, tuple], key: str,
@@ -156,7 +160,7 @@ def plot_train_metric(groups: dict[str, list[Run]], colors: dict[str, tuple], ke
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    return FigureResult(f"{label} over training", path=_save(fig, path))
+    return FigureResult(f"{label} over training", path=save_png(fig, path))
 
 
 def bucket_matrix(groups: dict[str, list[Run]]) -> tuple[list[str], list[str], np.ndarray, dict[str, str]]:
@@ -200,7 +204,7 @@ def plot_bucket_heatmap(groups: dict[str, list[Run]], path: Path) -> FigureResul
     ax.set_title(title)
     fig.colorbar(image, ax=ax, label="% of final (layer, head) assignments")
     fig.tight_layout()
-    return FigureResult(title, path=_save(fig, path))
+    return FigureResult(title, path=save_png(fig, path))
 
 
 def plot_window_map(run: Run, path: Path) -> FigureResult:
@@ -232,13 +236,13 @@ def plot_window_map(run: Run, path: Path) -> FigureResult:
     bar = fig.colorbar(image, ax=ax, label="window (keys)")
     bar.set_ticks([math.log2(t) for t in ticks], labels=[str(t) for t in ticks])
     fig.tight_layout()
-    return FigureResult(title, path=_save(fig, path))
+    return FigureResult(title, path=save_png(fig, path))
 
 
 def write_figures(groups: dict[str, list[Run]], out_dir: Path) -> list[FigureResult]:
     """Write every figure of the report into ``out_dir``; skipped ones carry a note."""
     out_dir = Path(out_dir)
-    colors = {regime: _color(i) for i, regime in enumerate(groups)}
+    colors = {regime: palette_color(i) for i, regime in enumerate(groups)}
     results = [
         plot_val_loss(groups, colors, out_dir / "val_loss.png"),
         plot_train_metric(groups, colors, "acr", "ACR", out_dir / "acr.png"),
@@ -307,7 +311,7 @@ def plot_coverage_vs_loss(groups: dict[str, list[Run]], colors: dict[str, tuple]
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    return FigureResult(title, path=_save(fig, path))
+    return FigureResult(title, path=save_png(fig, path))
 
 
 def layer_curve(runs: Sequence[Run], key: str, layer: int) -> tuple[np.ndarray, np.ndarray]:
@@ -347,4 +351,4 @@ def plot_lost_mass(groups: dict[str, list[Run]], colors: dict[str, tuple], path:
     axes[0].legend(fontsize=7)
     fig.suptitle("Attention mass beyond each head's window (sampled queries, EMA over control updates)")
     fig.tight_layout()
-    return FigureResult(title, path=_save(fig, path))
+    return FigureResult(title, path=save_png(fig, path))

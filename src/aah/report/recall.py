@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
-from .figures import FigureResult, _save
+from .figures import FigureResult, save_png
 from .runs import Run, display_name, group_by_regime, split_policy
 from .stats import mean, paired_difference
 from .tables import (
@@ -25,10 +25,10 @@ from .tables import (
     SIGNIFICANT,
     UNIFORM,
     Table,
-    _by_seed,
-    _uniform_reference,
-    _values,
+    by_seed,
     format_difference,
+    logged_values,
+    uniform_reference,
 )
 
 __all__ = ["BUCKET_LABELS", "has_recall", "plot_recall_vs_distance", "recall_table", "recall_value"]
@@ -89,14 +89,14 @@ def recall_table(runs: Sequence[Run]) -> Table | None:
                                                      f"{m[0]}_ci_high")]],
     )
     for label, group in groups.items():
-        cov = mean(_values(group, Run.final_coverage))
-        ref = _uniform_reference(label, group, uniforms) if uniforms else None
+        cov = mean(logged_values(group, Run.final_coverage))
+        ref = uniform_reference(label, group, uniforms) if uniforms else None
         cells, csv = [], []
         for _, _, get, digits in metrics:
-            value = mean(_values(group, get))
+            value = mean(logged_values(group, get))
             diff = None
             if ref is not None and ref != label:
-                diff = paired_difference(_by_seed(group, get), _by_seed(uniforms[ref], get))
+                diff = paired_difference(by_seed(group, get), by_seed(uniforms[ref], get))
             cells.append(_cell(value, diff, digits, ref is None or ref == label))
             ci = diff.ci if diff is not None and diff.ci is not None else (None, None)
             csv += [value, None if diff is None else diff.mean, *ci]
@@ -151,4 +151,4 @@ def plot_recall_vs_distance(groups: dict[str, list[Run]], colors: dict[str, tupl
     ax.set_title(title)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    return FigureResult(title, path=_save(fig, path))
+    return FigureResult(title, path=save_png(fig, path))

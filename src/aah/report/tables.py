@@ -126,11 +126,13 @@ _DIFF_CSV_COLUMNS = ["delta_mean", "delta_ci_low", "delta_ci_high", "delta_n_see
 Getter = Callable[[Run], "float | None"]
 
 
-def _values(runs: Sequence[Run], get: Getter) -> list[float]:
+def logged_values(runs: Sequence[Run], get: Getter) -> list[float]:
+    """``get`` of each run that logged it (runs where it gives ``None`` are left out)."""
     return [v for v in (get(r) for r in runs) if v is not None]
 
 
-def _by_seed(runs: Sequence[Run], get: Getter) -> dict[int, float]:
+def by_seed(runs: Sequence[Run], get: Getter) -> dict[int, float]:
+    """``get`` of each run by its seed, for differences paired by seed (runs without either left out)."""
     out = {}
     for run in runs:
         value = get(run)
@@ -146,7 +148,7 @@ def _difference(
         return "reference", None
     if not reference:
         return NOT_LOGGED, None
-    diff = paired_difference(_by_seed(runs, get), _by_seed(reference, get))
+    diff = paired_difference(by_seed(runs, get), by_seed(reference, get))
     return format_difference(diff), diff
 
 
@@ -173,8 +175,8 @@ def speed_vs_reference(runs: Sequence[Run], reference: Sequence[Run] | None) -> 
     """Training tokens/s over the reference's, paired by seed, as ``ratio - 1`` with its 95% interval."""
     if not reference:
         return None
-    ours = _by_seed(runs, Run.train_tokens_per_s)
-    theirs = _by_seed(reference, Run.train_tokens_per_s)
+    ours = by_seed(runs, Run.train_tokens_per_s)
+    theirs = by_seed(reference, Run.train_tokens_per_s)
     ratios = {seed: ours[seed] / theirs[seed] for seed in ours.keys() & theirs.keys() if theirs[seed] > 0}
     if not ratios:
         return None
@@ -205,12 +207,12 @@ def training_table(runs: Sequence[Run]) -> Table:
                       "peak_mem_mb", "final_step", "speed_vs_full", "speed_ci_low", "speed_ci_high"],
     )
     for regime, group in groups.items():
-        losses = _values(group, _final_val_loss)
+        losses = logged_values(group, _final_val_loss)
         delta_text, diff = _difference(regime, group, reference, _final_val_loss)
-        acr = mean(_values(group, lambda r: r.train_value("acr")))
-        cov = mean(_values(group, lambda r: r.train_value("causal_coverage")))
-        tps = mean(_values(group, lambda r: r.train_tokens_per_s()))
-        mem = mean(_values(group, Run.peak_mem_mb))
+        acr = mean(logged_values(group, lambda r: r.train_value("acr")))
+        cov = mean(logged_values(group, lambda r: r.train_value("causal_coverage")))
+        tps = mean(logged_values(group, lambda r: r.train_tokens_per_s()))
+        mem = mean(logged_values(group, Run.peak_mem_mb))
         steps = [r.final_step for r in group if r.final_step is not None]
         speed = None if regime == FULL_ATTENTION else speed_vs_reference(group, reference)
         speed_ci = (speed.ci if speed is not None else None) or (None, None)
@@ -239,7 +241,7 @@ def _eval_loss(run: Run) -> float | None:
 
 
 def _eval_mean(group: Sequence[Run], key: str) -> float | None:
-    return mean(_values(group, lambda r: r.eval_value(key)))
+    return mean(logged_values(group, lambda r: r.eval_value(key)))
 
 
 def inference_table(runs: Sequence[Run]) -> Table:
@@ -264,7 +266,7 @@ def inference_table(runs: Sequence[Run]) -> Table:
             table.csv_rows.append([regime, name, 0, len(group), "", *[None] * 7,
                                    *_diff_csv(None)])
             continue
-        losses = _values(evaluated, _eval_loss)
+        losses = logged_values(evaluated, _eval_loss)
         delta_text, diff = _difference(regime, evaluated, reference, _eval_loss)
         cols = {k: _eval_mean(evaluated, k) for k in
                 ("val_ppl", "acr", "causal_coverage", "executed_coverage",
@@ -309,7 +311,7 @@ def screening_table(runs: Sequence[Run]) -> Table | None:
         if not group:
             continue
         name = SCREENING_NAMES.get(regime, display_name(regime))
-        losses = _values(group, _final_val_loss)
+        losses = logged_values(group, _final_val_loss)
         delta_text, diff = _difference(regime, group, reference, _final_val_loss)
         table.rows.append([name, str(len(group)), _fmt_mean_std(losses), delta_text])
         table.csv_rows.append([regime, name, len(group), _seeds(group), mean(losses),
@@ -328,7 +330,7 @@ def _policy_loss(run: Run) -> float | None:
     return run.policy_val_loss()
 
 
-def _uniform_reference(label: str, group: Sequence[Run], uniforms: dict[str, list[Run]]) -> str:
+def uniform_reference(label: str, group: Sequence[Run], uniforms: dict[str, list[Run]]) -> str:
     """The uniform-window group a policy is compared with: the one at the same budget, else
     the one whose mean causal coverage is closest to the policy's."""
     _, budget = split_policy(label)
@@ -336,10 +338,10 @@ def _uniform_reference(label: str, group: Sequence[Run], uniforms: dict[str, lis
         same = [u for u in uniforms if split_policy(u)[1] == budget]
         if same:
             return same[0]
-    cov = mean(_values(group, Run.final_coverage))
+    cov = mean(logged_values(group, Run.final_coverage))
     if cov is None:
         return next(iter(uniforms))
-    return min(uniforms, key=lambda u: abs((mean(_values(uniforms[u], Run.final_coverage)) or 0.0) - cov))
+    return min(uniforms, key=lambda u: abs((mean(logged_values(uniforms[u], Run.final_coverage)) or 0.0) - cov))
 
 
 def equal_coverage_table(runs: Sequence[Run]) -> Table | None:
@@ -361,15 +363,15 @@ def equal_coverage_table(runs: Sequence[Run]) -> Table | None:
                      "tokens_per_s"],
     )
     for label, group in groups.items():
-        cov = mean(_values(group, Run.final_coverage))
-        losses = _values(group, _policy_loss)
-        tps = mean(_values(group, lambda r: r.train_tokens_per_s()))
-        ref = _uniform_reference(label, group, uniforms)
-        ref_cov = mean(_values(uniforms[ref], Run.final_coverage))
+        cov = mean(logged_values(group, Run.final_coverage))
+        losses = logged_values(group, _policy_loss)
+        tps = mean(logged_values(group, lambda r: r.train_tokens_per_s()))
+        ref = uniform_reference(label, group, uniforms)
+        ref_cov = mean(logged_values(uniforms[ref], Run.final_coverage))
         if label == ref:
             delta_text, diff = "reference", None
         else:
-            diff = paired_difference(_by_seed(group, _policy_loss), _by_seed(uniforms[ref], _policy_loss))
+            diff = paired_difference(by_seed(group, _policy_loss), by_seed(uniforms[ref], _policy_loss))
             delta_text = format_difference(diff)
         table.rows.append([display_name(label), str(len(group)), _fmt(cov, 4),
                            f"{display_name(ref)} ({_fmt(ref_cov, 4)})", _fmt_mean_std(losses),
