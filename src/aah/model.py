@@ -53,9 +53,12 @@ class GPTConfig:
         def fail(name: str, message: str) -> None:
             raise ValueError(f"model.{name}: {message}")
 
-        for name in ("vocab_size", "n_layers", "d_model", "n_heads", "max_seq_len"):
-            if getattr(self, name) < 1:
-                fail(name, f"must be >= 1, got {getattr(self, name)}")
+        for name in ("vocab_size", "n_layers", "d_model", "n_heads", "max_seq_len", "d_ff"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                fail(name, f"must be >= 1, got {value}")
+        if not self.backend:
+            fail("backend", "must be a backend name or 'auto', got ''")
         if self.d_model % self.n_heads:
             fail("n_heads", f"must divide d_model ({self.d_model}), got {self.n_heads}")
         kv = self.kv_heads

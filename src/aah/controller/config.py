@@ -125,11 +125,13 @@ class ControllerConfig:
             object.__setattr__(self, "windows", wins)
         if self.min_window is not None and self.min_window < 1:
             fail("min_window", f"must be >= 1 or null, got {self.min_window}")
-        if self.control_interval < 1:
-            fail("control_interval", f"must be >= 1, got {self.control_interval}")
-        if self.control_warmup < 0:
-            fail("control_warmup", f"must be >= 0, got {self.control_warmup}")
-        for name in ("feature_ema", "resolution_ema"):
+        for name, least in (
+            ("control_interval", 1), ("control_warmup", 0), ("max_depth", 1), ("fixed_window_index", 0),
+            ("diagnostic_queries", 1), ("base_hidden", 1), ("joint_hidden", 1),
+        ):
+            if getattr(self, name) < least:
+                fail(name, f"must be >= {least}, got {getattr(self, name)}")
+        for name in ("feature_ema", "resolution_ema", "lost_mass_ema"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 fail(name, f"must be in [0, 1), got {value}")
@@ -140,6 +142,7 @@ class ControllerConfig:
             ("upper_levels", UPPER_LEVELS),
             ("diagnostics_context", DIAGNOSTIC_CONTEXTS),
             ("window_granularity", WINDOW_GRANULARITIES),
+            ("budget_scope", BUDGET_SCOPES),
         ):
             if getattr(self, name) not in allowed:
                 fail(name, f"must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
@@ -147,12 +150,6 @@ class ControllerConfig:
         if not shape or any(isinstance(b, bool) or not isinstance(b, int) or b < 2 for b in shape):
             fail("hierarchy", f"must be a non-empty list of branching factors >= 2, got {list(shape)}")
         object.__setattr__(self, "hierarchy", shape)
-        if self.max_depth < 1:
-            fail("max_depth", f"must be >= 1, got {self.max_depth}")
-        if self.fixed_window_index < 0:
-            fail("fixed_window_index", f"must be >= 0, got {self.fixed_window_index}")
-        if self.diagnostic_queries < 1:
-            fail("diagnostic_queries", f"must be >= 1, got {self.diagnostic_queries}")
         if self.norm_eps <= 0:
             fail("norm_eps", f"must be > 0, got {self.norm_eps}")
         self._validate_budget(fail)
@@ -163,11 +160,6 @@ class ControllerConfig:
             or not 0.0 < float(self.budget) <= 1.0
         ):
             fail("budget", f"must be a causal coverage in (0, 1], got {self.budget!r}")
-        for name, allowed in (("budget_scope", BUDGET_SCOPES), ("window_granularity", WINDOW_GRANULARITIES)):
-            if getattr(self, name) not in allowed:
-                fail(name, f"must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
-        if not 0.0 <= self.lost_mass_ema < 1.0:
-            fail("lost_mass_ema", f"must be in [0, 1), got {self.lost_mass_ema}")
         self._validate_warmup(fail)
 
     def _validate_warmup(self, fail) -> None:
