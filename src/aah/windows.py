@@ -31,6 +31,9 @@ __all__ = [
     "check_sink_tokens",
     "band_mask",
     "visible",
+    "visible_among",
+    "layer_rule",
+    "kv_group_reach",
     "acr",
     "causal_coverage",
     "causal_pairs",
@@ -113,6 +116,52 @@ def visible(
     q_pos, k_pos = torch.as_tensor(q_pos), torch.as_tensor(k_pos)
     causal = (k_pos <= q_pos) & (k_pos >= first_real)
     return causal & ((q_pos - k_pos < windows) | (k_pos < first_real + sinks))
+
+
+def visible_among(seen: torch.Tensor, windows: torch.Tensor | Sequence[int], sinks: int = 0) -> torch.Tensor:
+    """The window rule over the keys a query may see at all: (..., H, Tq, Tk) bool.
+
+    ``seen`` (..., 1, Tq, Tk) says which keys each query may see before any window: causality,
+    a row's padding, its own document in a packed row, or a custom mask. A query sits at the
+    last key it may see (itself); it keeps the seen keys of :func:`visible` for its head's
+    window, and the first ``sinks`` keys it may see (a row's or a document's sink tokens, which
+    equal ``first_real + sinks`` of :func:`visible` where the seen keys are contiguous). A query
+    that may see nothing (a padding position) is given key 0, so that a softmax stays finite.
+    """
+    k_pos = torch.arange(seen.shape[-1], device=seen.device)
+    own = torch.where(seen, k_pos, -1).amax(dim=-1, keepdim=True)  # (..., 1, Tq, 1)
+    w = torch.as_tensor(list(windows) if not isinstance(windows, torch.Tensor) else windows, device=seen.device)
+    allowed = seen & visible(own, k_pos, w.view(-1, 1, 1))
+    if sinks:
+        allowed = allowed | (seen & (seen.cumsum(dim=-1) <= sinks))
+    return allowed | ((own < 0) & (k_pos == 0))
+
+
+def layer_rule(requested: Sequence[int], sink_tokens: int, layer_window: int | None) -> tuple[tuple[int, ...], int]:
+    """The windows and sinks a layer really runs: ``(windows, sinks)``.
+
+    A head never sees more than its layer allows: in a layer with its own sliding window
+    (Mistral, Qwen3's and Gemma's sliding layers; ``None`` or ``<= 0`` for none) each window is
+    capped by it and the layer keeps no sinks, since it must not see beyond that window.
+    """
+    windows = tuple(int(w) for w in requested)
+    if layer_window is None or layer_window <= 0:
+        return windows, sink_tokens
+    return tuple(min(w, int(layer_window)) for w in windows), 0
+
+
+def kv_group_reach(windows: Sequence[int], num_kv_heads: int) -> tuple[int, ...]:
+    """The largest window of each KV group: what its KV head must hold for its query heads.
+
+    Query head ``h`` reads KV head ``h // (H / H_kv)`` (the grouping of :func:`aah.attend`).
+    """
+    wins = [int(w) for w in windows]
+    if isinstance(num_kv_heads, bool) or not isinstance(num_kv_heads, int) or num_kv_heads < 1:
+        raise ValueError(f"num_kv_heads must be a positive int, got {num_kv_heads!r}")
+    if len(wins) % num_kv_heads:
+        raise ValueError(f"{len(wins)} query heads cannot be split among {num_kv_heads} KV heads")
+    group = len(wins) // num_kv_heads
+    return tuple(max(wins[g * group:(g + 1) * group]) for g in range(num_kv_heads))
 
 
 def band_mask(

@@ -256,12 +256,13 @@ def test_auto_leaves_out_backends_without_sinks(monkeypatch):
 
 
 def test_hf_unpadded_prompt_with_sinks_runs_through_attend(monkeypatch):
-    from aah.hf import patching
+    from aah.hf.bridge import attention as patching
+    from aah.hf.bridge.spec import LayerWindows
 
     calls = []
     original = patching.attend
     monkeypatch.setattr(patching, "attend", lambda *a, **kw: calls.append(kw) or original(*a, **kw))
-    spec = patching.LayerWindows((3, 9, 9, 40), (3, 9, 9, 40), 2, "banded")
+    spec = LayerWindows((3, 9, 9, 40), (3, 9, 9, 40), 2, "banded")
     q, k, v = _qkv(1, 4, 2, 40, 8)
     out = patching.attend_without_cache(q, k, v, None, None, spec)
     assert calls and calls[0]["sink_tokens"] == 2 and calls[0]["backend"] == "banded"
@@ -269,7 +270,7 @@ def test_hf_unpadded_prompt_with_sinks_runs_through_attend(monkeypatch):
     # A backend without sinks keeps the exact masked SDPA path.
     calls.clear()
     monkeypatch.setattr(type(get_backend("flash")), "supports_sink_tokens", False)
-    flash_spec = patching.LayerWindows((3, 9, 9, 40), (3, 9, 9, 40), 2, "flash")
+    flash_spec = LayerWindows((3, 9, 9, 40), (3, 9, 9, 40), 2, "flash")
     out = patching.attend_without_cache(q, k, v, None, None, flash_spec)
     assert not calls
     _check(out, q, k, v, [3, 9, 9, 40], 2, atol=1e-10, rtol=1e-10)

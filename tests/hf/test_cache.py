@@ -123,7 +123,7 @@ def test_decode_with_full_rings_and_group_windows_builds_no_mask(monkeypatch, ll
 @pytest.mark.parametrize("route", ["compiled block", "compiled attention"])
 @pytest.mark.parametrize("case", ["gqa_mixed_long_prompt", "gqa_kv_group_with_sinks", "mha_mixed_short_prompt"])
 def test_one_token_steps_run_compiled_and_equal_recompute(compiled, monkeypatch, case, route, llama):
-    """A decode step runs the whole decoder layer compiled (aah.hf.block_step), or, where the
+    """A decode step runs the whole decoder layer compiled (aah.hf.bridge.block_step), or, where the
     layer's modules must run (here a forward hook on the MLP), its attention compiled."""
     heads, kv_heads, windows, sinks, prompt_len = CASES[case]
     model = llama(heads, kv_heads)

@@ -16,7 +16,8 @@ tokenizers = pytest.importorskip("tokenizers")
 from aah.cli import main  # noqa: E402
 from aah.controller import HeadController  # noqa: E402
 from aah.controller.lost_mass import lost_mass  # noqa: E402
-from aah.hf.calibration import (  # noqa: E402
+from aah.hf.bridge.windows_file import load_windows, model_signature, save_windows  # noqa: E402
+from aah.hf.calibration.policies import (  # noqa: E402
     budgeted_windows,
     calibrate,
     measure_lost_mass,
@@ -24,7 +25,6 @@ from aah.hf.calibration import (  # noqa: E402
     share_within_kv_groups,
     uniform_window_for_budget,
 )
-from aah.hf.windows_file import load_windows, model_signature, save_windows  # noqa: E402
 from aah.regimes import get as get_regime  # noqa: E402
 from aah.windows import causal_coverage, causal_pairs  # noqa: E402
 
@@ -332,8 +332,8 @@ def test_eval_takes_sink_tokens_and_kept_keys(tiny_model_dir, tmp_path, capsys):
     """--sink-tokens and --tail-tokens/--kept-keys: the config says what ran, the windowed settings'
     ACR and causal coverage are those of kept_coverage, their KV bytes hold the kept keys too, and
     their decode steps take the compiled attention step (not the whole-layer one)."""
-    from aah.hf.kept_keys import KeptKeys, kept_coverage
-    from aah.hf.patching import LayerWindows
+    from aah.hf.bridge.kept_keys import KeptKeys, kept_coverage
+    from aah.hf.bridge.spec import LayerWindows
 
     model_dir, corpus = tiny_model_dir
     windows = torch.tensor([[8, 8, 16, 16], [4, 4, 8, 8]])
@@ -447,7 +447,7 @@ def test_candidates_are_validated(bad):
 
 
 def test_perplexity_ratios_come_with_intervals_paired_by_block():
-    from aah.hf.evaluate import ppl_ratio_interval, summary
+    from aah.hf.evaluation.compare import ppl_ratio_interval, summary
 
     def setting(nll):
         return {"ppl": math.exp(sum(nll) / len(nll)), "block_nll": nll, "prefill_tok_s": 1.0,
@@ -478,7 +478,7 @@ def _bpe_tokenizer(model_dir):
 
 def _sequences(tokenizer, seq_len=400, count=2):
     from aah.data.corpora import CorpusNotFoundError
-    from aah.hf.retrieval_calibration import calibration_sequences
+    from aah.hf.calibration.answer_loss import calibration_sequences
 
     try:
         return calibration_sequences(tokenizer, seq_len, count, seed=1)
@@ -502,7 +502,7 @@ def test_calibration_sequences_use_their_own_templates(tiny_model_dir):
         for words in ("pass key", "magic number", "The grass is green", "VAR "):  # the evaluation's templates
             assert words not in context + question
     assert len({s.answer for s in seqs}) == 3
-    from aah.hf.retrieval_calibration import CALIBRATION_INSTRUCTION, calibration_sequences
+    from aah.hf.calibration.answer_loss import CALIBRATION_INSTRUCTION, calibration_sequences
 
     instructed = calibration_sequences(tok, 400, 3, seed=1, instruction=True)
     for plain, seq in zip(seqs, instructed):
@@ -530,7 +530,7 @@ def _window_reference_nll(masked_logits, model, ids, read, layer, windows, sinks
 
 
 def test_answer_loss_equals_windowed_forwards_of_the_answer_positions(tiny_model_dir, masked_logits):
-    from aah.hf.retrieval_calibration import measure_answer_loss
+    from aah.hf.calibration.answer_loss import measure_answer_loss
 
     tok = _bpe_tokenizer(tiny_model_dir[0])
     seqs = _sequences(tok, 300, 1)
@@ -561,8 +561,8 @@ def test_answer_loss_equals_windowed_forwards_of_the_answer_positions(tiny_model
 
 
 def test_kl_retrieval_is_the_knapsack_over_kl_plus_weighted_answer_loss(tiny_model_dir):
-    from aah.hf.loss_estimate import measure_window_kl
-    from aah.hf.retrieval_calibration import measure_answer_loss
+    from aah.hf.calibration.answer_loss import measure_answer_loss
+    from aah.hf.calibration.window_kl import measure_window_kl
 
     tok = _bpe_tokenizer(tiny_model_dir[0])
     seqs = _sequences(tok, 320, 2)

@@ -19,7 +19,8 @@ transformers = pytest.importorskip("transformers")
 
 from aah import hf  # noqa: E402
 from aah.cli import main  # noqa: E402
-from aah.hf.windows_file import model_signature, save_windows  # noqa: E402
+from aah.hf.bridge.spec import layer_specs  # noqa: E402
+from aah.hf.bridge.windows_file import model_signature, save_windows  # noqa: E402
 
 VOCAB = 97
 KINDS = ["llama", "mistral", "qwen3"]
@@ -399,9 +400,10 @@ def test_rings_grow_with_the_tokens_and_stop_at_the_window():
 
 
 def test_no_mask_cache_outlives_the_model():
-    from aah.hf import patching
+    from aah.hf.bridge import attention, masks, patch, spec
 
-    assert not any(hasattr(getattr(patching, name), "cache_info") for name in dir(patching))
+    for module in (attention, masks, patch, spec):
+        assert not any(hasattr(getattr(module, name), "cache_info") for name in dir(module))
 
 
 # ---- unpatch, pickling, copies ----------------------------------------------------------------
@@ -466,9 +468,9 @@ def test_windows_files_are_checked_where_they_enter(tmp_path):
     windows, meta = hf.load_windows(good, model)
     assert torch.equal(windows, WINDOWS)
     hf.patch(model, good)  # the file's windows and sink tokens
-    assert all(spec.sink_tokens == 3 for spec in hf.patching.layer_specs(model))
+    assert all(spec.sink_tokens == 3 for spec in layer_specs(model))
     hf.patch(model, good, sink_tokens=0)
-    assert all(spec.sink_tokens == 0 for spec in hf.patching.layer_specs(model))
+    assert all(spec.sink_tokens == 0 for spec in layer_specs(model))
     with pytest.raises(ValueError, match="calibrated for"):
         hf.check_windows_for(_tiny("llama", layers=3), windows, meta, "w")
 

@@ -1,4 +1,4 @@
-"""Kept keys (aah.hf.kept_keys): a windowed prefill whose last tokens read everything, and far keys
+"""Kept keys (aah.hf.bridge.kept_keys): a windowed prefill whose last tokens read everything, and far keys
 kept for decoding, against a float64 reference that applies the rule of the module docstring."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ transformers = pytest.importorskip("transformers")
 from aah import hf  # noqa: E402
 from aah.decode import ring_decode  # noqa: E402
 from aah.decode.rings import RingStore  # noqa: E402
-from aah.hf.kept_keys import (  # noqa: E402
+from aah.hf.bridge.attention import AAH_IMPLEMENTATION  # noqa: E402
+from aah.hf.bridge.kept_keys import (  # noqa: E402
     KeptKeys,
     choose_kept,
     kept_coverage,
@@ -20,7 +21,7 @@ from aah.hf.kept_keys import (  # noqa: E402
     rolling_prefill,
     tail_coverage_pairs,
 )
-from aah.hf.patching import layer_specs  # noqa: E402
+from aah.hf.bridge.spec import layer_specs  # noqa: E402
 from aah.windows import causal_coverage  # noqa: E402
 
 VOCAB = 97
@@ -127,7 +128,7 @@ def _reference_logits(model, reference: Reference, seq: torch.Tensor) -> torch.T
     try:
         return model(seq, use_cache=False).logits[0]
     finally:
-        model.set_attn_implementation(hf.patching.AAH_IMPLEMENTATION)
+        model.set_attn_implementation(AAH_IMPLEMENTATION)
 
 
 CASES = {
@@ -184,7 +185,7 @@ ROLLING = {
 def test_rolling_kept_keys_equal_the_reference(case, llama, monkeypatch):
     """The prompt read in blocks that see the far keys the previous block's last rows read most,
     then decoding with the kept keys: every logit against the float64 rule."""
-    import aah.hf.cache as cache_module
+    import aah.hf.bridge.cache as cache_module
 
     heads, kv_heads, windows, sinks, prompt_len, tail, count, pool, prefill, block = ROLLING[case]
     model = llama(heads, kv_heads)
@@ -389,7 +390,8 @@ def test_kept_keys_refuse_bad_sizes(bad, name):
 def test_rolling_prefill_reads_later_blocks_of_short_groups_only_once():
     """The unpadded route equals the windowed pass followed by the rolling recompute, and its
     windowed pass reads the groups that leave keys behind over the first block's rows only."""
-    from aah.hf.patching import LayerWindows, attend_without_cache
+    from aah.hf.bridge.attention import attend_without_cache
+    from aah.hf.bridge.spec import LayerWindows
 
     torch.manual_seed(3)
     windows, sinks, length = (3, 3, 20, 20, 2, 5), 1, 20  # KV group 1 reaches every key

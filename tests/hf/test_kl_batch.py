@@ -1,4 +1,4 @@
-"""The KL estimate of aah.hf.loss_estimate over a batch of several blocks at once.
+"""The KL estimate of aah.hf.calibration.window_kl over a batch of several blocks at once.
 
 ``1/2 sum_t (g_t . d_t)^2 / N`` (docs/hf.md, "budgeted --measure kl") squares each position's
 term of each block: a batch of blocks must give the mean of the blocks' own estimates, never
@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # noqa: E402
 
 from aah.controller.features import sample_query_positions  # noqa: E402
-from aah.hf.loss_estimate import measure_window_kl  # noqa: E402
+from aah.hf.calibration.window_kl import measure_window_kl  # noqa: E402
 
 from ..conftest import reference_attention  # noqa: E402
 

@@ -15,7 +15,7 @@ tokenizers = pytest.importorskip("tokenizers")
 pytest.importorskip("lm_eval")
 pytest.importorskip("wonderwords")  # RULER's needle keys
 
-from aah.hf.windows_file import model_signature, save_windows  # noqa: E402
+from aah.hf.bridge.windows_file import model_signature, save_windows  # noqa: E402
 
 SEQ = 320
 
@@ -44,7 +44,7 @@ def folder(tmp_path_factory, byte_bpe):
 
 def test_aah_hf_patches_the_model_with_the_file(folder):
     from aah.hf import patched_windows
-    from aah.hf.lm_eval_model import AAHLM
+    from aah.hf.evaluation.lm_eval_model import AAHLM
 
     lm = AAHLM(pretrained=str(folder / "model"), windows=str(folder / "narrow.safetensors"), device="cpu")
     assert lm.model.config._attn_implementation == "aah" and lm.sink_tokens == 2
@@ -56,7 +56,7 @@ def test_aah_hf_patches_the_model_with_the_file(folder):
 @pytest.mark.slow
 def test_module_command_line_runs_niah_single_1(folder, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "aah.hf.lm_eval_model", "--model", "aah_hf", "--model_args",
+    cmd = [sys.executable, "-m", "aah.hf.evaluation.lm_eval_model", "--model", "aah_hf", "--model_args",
            f"pretrained={folder / 'model'},windows={folder / 'narrow.safetensors'}", "--device", "cpu",
            "--tasks", "niah_single_1", "--metadata", json.dumps({"max_seq_lengths": [SEQ]}), "--limit", "1",
            "--gen_kwargs", "max_gen_toks=4", "--output_path", str(tmp_path / "out")]

@@ -1,4 +1,4 @@
-"""The estimated KL of each head's window (aah.hf.loss_estimate) and its use by the budgeted
+"""The estimated KL of each head's window (aah.hf.calibration.window_kl) and its use by the budgeted
 policy (measure="kl")."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ transformers = pytest.importorskip("transformers")
 
 from aah.cli import main  # noqa: E402
 from aah.controller.features import sample_query_positions  # noqa: E402
-from aah.hf.calibration import budgeted_windows, calibrate  # noqa: E402
-from aah.hf.loss_estimate import measure_window_kl, window_output_change  # noqa: E402
-from aah.hf.windows_file import load_windows  # noqa: E402
+from aah.hf.bridge.windows_file import load_windows  # noqa: E402
+from aah.hf.calibration.policies import budgeted_windows, calibrate  # noqa: E402
+from aah.hf.calibration.window_kl import measure_window_kl, window_output_change  # noqa: E402
 from aah.windows import causal_coverage  # noqa: E402
 
 from ..conftest import reference_attention  # noqa: E402
@@ -50,7 +50,8 @@ def _reference_terms(model, batch, labels, windows, sinks):
     """(L, H, T, K): dlog p(labels) / d(head output) . (windowed - full output) at every position,
     by an independent route: the gradient at the input of each o_proj, and the float64
     reference attention."""
-    from aah.hf.patching import attention_modules, recording
+    from aah.hf.bridge.patch import recording
+    from aah.hf.bridge.spec import attention_modules
 
     inputs, qkv, handles = {}, {}, []
     for layer, block in enumerate(model.model.layers):
@@ -157,7 +158,9 @@ def test_calibrate_command_takes_the_kl_measure(tiny_model_dir, tmp_path, capsys
 
 def test_the_package_exports_the_calibration_functions():
     import aah.hf
-    from aah.hf import calibration, loss_estimate, windows_file
+    from aah.hf.bridge import windows_file
+    from aah.hf.calibration import policies as calibration
+    from aah.hf.calibration import window_kl as loss_estimate
 
     assert aah.hf.calibrate is calibration.calibrate and callable(aah.hf.calibrate)
     assert aah.hf.measure_window_kl is loss_estimate.measure_window_kl

@@ -1,4 +1,4 @@
-"""Synthetic retrieval tasks (aah.hf.retrieval), their scoring, and the aah hf retrieval command."""
+"""Synthetic retrieval tasks (aah.hf.evaluation.tasks), their scoring, and the aah hf retrieval command."""
 
 from __future__ import annotations
 
@@ -13,10 +13,17 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from aah.cli import main  # noqa: E402
 from aah.data.corpora import CorpusNotFoundError  # noqa: E402
-from aah.hf.evaluate import Setting  # noqa: E402
-from aah.hf.retrieval import REPEAT_FILLER, TASKS, Sample, build_sample, build_samples, is_correct  # noqa: E402
-from aah.hf.retrieval_eval import generate_answers, score, wilson_interval  # noqa: E402
-from aah.hf.windows_file import load_windows, model_signature, save_windows  # noqa: E402
+from aah.hf.bridge.windows_file import load_windows, model_signature, save_windows  # noqa: E402
+from aah.hf.evaluation.compare import Setting  # noqa: E402
+from aah.hf.evaluation.retrieval import generate_answers, score, wilson_interval  # noqa: E402
+from aah.hf.evaluation.tasks import (  # noqa: E402
+    REPEAT_FILLER,
+    TASKS,
+    Sample,
+    build_sample,
+    build_samples,
+    is_correct,
+)
 
 REPEAT_TASKS = [t for t in TASKS if t != "niah_text"]
 
@@ -218,7 +225,7 @@ def test_retrieval_command_writes_json_and_heatmap(model_dir, tmp_path, capsys):
 
 
 def test_retrieval_answers_journal_resumes_a_stopped_run(model_dir, tmp_path, monkeypatch, capsys):
-    from aah.hf import retrieval_eval
+    from aah.hf.evaluation import retrieval as retrieval_eval
 
     journal = tmp_path / "answers.jsonl"
     base = ["hf", "retrieval", str(model_dir / "model"), "--tasks", "passkey", "--lengths", "350",
@@ -277,9 +284,9 @@ def test_retrieval_sink_tokens_override_the_windows_file(model_dir, tmp_path, ca
 def test_retrieval_kept_keys_are_reported_and_are_another_run(model_dir, tmp_path, monkeypatch, capsys):
     """--tail-tokens/--kept-keys: the config and the per-setting facts say what ran (the tail's pairs
     in the causal coverage, the kept keys in the ACR), and the journal keeps their answers apart."""
-    from aah.hf import retrieval_eval
-    from aah.hf.kept_keys import KeptKeys, kept_coverage
-    from aah.hf.patching import kv_heads, layer_windows_for
+    from aah.hf.bridge.kept_keys import KeptKeys, kept_coverage
+    from aah.hf.bridge.spec import kv_heads, layer_windows_for
+    from aah.hf.evaluation import retrieval as retrieval_eval
 
     out, journal = tmp_path / "r.json", tmp_path / "answers.jsonl"
     argv = ["hf", "retrieval", str(model_dir / "model"), "--windows", str(model_dir / "w.safetensors"),
@@ -315,8 +322,8 @@ def test_retrieval_kept_keys_are_reported_and_are_another_run(model_dir, tmp_pat
 def test_retrieval_rolling_kept_keys_are_reported(model_dir, tmp_path, capsys):
     """--prefill-kept/--prefill-block: the config says what ran and the causal coverage counts the
     blocks' kept keys (rolling_coverage_pairs)."""
-    from aah.hf.kept_keys import KeptKeys, kept_coverage
-    from aah.hf.patching import kv_heads, layer_windows_for
+    from aah.hf.bridge.kept_keys import KeptKeys, kept_coverage
+    from aah.hf.bridge.spec import kv_heads, layer_windows_for
 
     out = tmp_path / "r.json"
     argv = ["hf", "retrieval", str(model_dir / "model"), "--windows", str(model_dir / "w.safetensors"),

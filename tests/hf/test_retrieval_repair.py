@@ -1,4 +1,4 @@
-"""The retrieval repair pass (aah.hf.retrieval_repair) and calibrate's retrieval_reserve."""
+"""The retrieval repair pass (aah.hf.calibration.repair) and calibrate's retrieval_reserve."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from aah.hf import retrieval_repair  # noqa: E402
-from aah.hf.calibration import budgeted_windows, calibrate  # noqa: E402
-from aah.hf.retrieval_calibration import RetrievalSequence, measure_answer_loss  # noqa: E402
-from aah.hf.retrieval_repair import RepairRound, joint_answer_gain, repair_windows  # noqa: E402
+from aah.hf.calibration import repair as retrieval_repair  # noqa: E402
+from aah.hf.calibration.answer_loss import RetrievalSequence, measure_answer_loss  # noqa: E402
+from aah.hf.calibration.policies import budgeted_windows, calibrate  # noqa: E402
+from aah.hf.calibration.repair import RepairRound, joint_answer_gain, repair_windows  # noqa: E402
 from aah.windows import causal_coverage, causal_pairs  # noqa: E402
 
 VOCAB = 64
@@ -147,7 +147,7 @@ def test_repair_rejects_windows_outside_the_candidates():
 
 
 def test_calibrate_with_a_reserve_repairs_the_smaller_knapsack(monkeypatch):
-    import aah.hf.calibration as calibration
+    import aah.hf.calibration.policies as calibration
 
     model = _llama()
     seqs = _sequences(2, 160)
@@ -163,7 +163,7 @@ def test_calibrate_with_a_reserve_repairs_the_smaller_knapsack(monkeypatch):
     monkeypatch.setattr(calibration, "repair_windows", spy)
     got = calibrate(model, batches, policy="budgeted", budget=0.6, sink_tokens=2, scope="model",
                     measure="kl_retrieval", retrieval=seqs, candidates=cands, retrieval_reserve=0.2, repair_rounds=2)
-    from aah.hf.loss_estimate import measure_window_kl
+    from aah.hf.calibration.window_kl import measure_window_kl
 
     full = []
     lost = measure_window_kl(model, batches, cands, sink_tokens=2, seed=0) + measure_answer_loss(

@@ -1,6 +1,6 @@
 """Budgeted calibration of models whose layers have their own sliding window (Qwen3, Mistral):
 what each window loses and costs is measured as the patched layer runs it, within the layer's
-window and without sinks (aah.hf.patching.LayerWindows.build)."""
+window and without sinks (aah.hf.bridge.spec.LayerWindows.build)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ transformers = pytest.importorskip("transformers")
 from aah import hf  # noqa: E402
 from aah.controller.budget import budget_capacity, choose_windows  # noqa: E402
 from aah.controller.lost_mass import lost_mass, within_context  # noqa: E402
-from aah.hf.calibration import (  # noqa: E402
+from aah.hf.calibration.policies import (  # noqa: E402
     budgeted_windows,
     calibrate,
     measure_lost_mass,
     uniform_window_for_budget,
 )
-from aah.hf.evaluate import Setting, uniform_setting  # noqa: E402
-from aah.hf.loss_estimate import measure_window_kl, window_output_change  # noqa: E402
+from aah.hf.calibration.window_kl import measure_window_kl, window_output_change  # noqa: E402
+from aah.hf.evaluation.compare import Setting, uniform_setting  # noqa: E402
 from aah.windows import causal_coverage, causal_pairs  # noqa: E402
 
 from ..conftest import reference_attention  # noqa: E402

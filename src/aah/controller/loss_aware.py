@@ -13,7 +13,7 @@ Fisher (second-order) estimate of the loss it adds, per predicted token::
 
     cost(h, W) = 1/2 * mean over sampled t and the batch of (g_t . d_t)^2
 
-the estimate of :mod:`aah.hf.loss_estimate` (which applies it to a pretrained
+the estimate of :mod:`aah.hf.calibration.window_kl` (which applies it to a pretrained
 model), with one difference that makes it free in training: ``g_t`` is the
 gradient of the training loss on the real next tokens (the *empirical* Fisher)
 rather than of labels sampled from the model, so no extra backward pass is run.

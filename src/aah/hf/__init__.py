@@ -15,8 +15,12 @@ the file's windows and sink tokens).
 ``convert_gguf`` turns a GGUF checkpoint into a safetensors folder once, so that later loads
 are fast and fully offline.
 
-The names load lazily, so ``import aah.hf`` works (and says what to install) without
-transformers.
+The package has four rooms, imported one way: ``bridge/`` (the windows a layer runs, their
+masks, the attention function, ``patch``, the window cache, ``generate``, the compiled step
+adapter, kept keys, windows files), ``calibration/`` (the window policies), ``evaluation/``
+(perplexity, speed and KV bytes; retrieval tasks; the lm-eval model type) and ``cli/`` (the
+``aah hf`` commands). The names load lazily, so ``import aah.hf`` works (and says what to
+install) without transformers.
 """
 
 from __future__ import annotations
@@ -24,28 +28,28 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "AAH_IMPLEMENTATION": "patching",
-    "LayerWindows": "patching",
-    "patch": "patching",
-    "patched_windows": "patching",
-    "executed_coverage": "patching",
-    "unpatch": "patching",
-    "WindowCacheLayer": "cache",
-    "cache_memory_bytes": "cache",
-    "cache_route": "cache",
-    "new_cache": "cache",
-    "KeptKeys": "kept_keys",
+    "AAH_IMPLEMENTATION": "bridge.attention",
+    "LayerWindows": "bridge.spec",
+    "patch": "bridge.patch",
+    "patched_windows": "bridge.spec",
+    "executed_coverage": "bridge.spec",
+    "unpatch": "bridge.patch",
+    "WindowCacheLayer": "bridge.cache",
+    "cache_memory_bytes": "bridge.cache",
+    "cache_route": "bridge.cache",
+    "new_cache": "bridge.cache",
+    "KeptKeys": "bridge.kept_keys",
     "convert_gguf": "convert",
-    "calibrate": "calibration",
-    "measure_lost_mass": "calibration",
-    "measure_window_kl": "loss_estimate",
-    "measure_answer_loss": "retrieval_calibration",
-    "calibration_sequences": "retrieval_calibration",
-    "repair_windows": "retrieval_repair",
-    "save_windows": "windows_file",
-    "load_windows": "windows_file",
-    "check_windows_for": "windows_file",
-    "MAX_WINDOW": "windows_file",
+    "calibrate": "calibration.policies",
+    "measure_lost_mass": "calibration.policies",
+    "measure_window_kl": "calibration.window_kl",
+    "measure_answer_loss": "calibration.answer_loss",
+    "calibration_sequences": "calibration.answer_loss",
+    "repair_windows": "calibration.repair",
+    "save_windows": "bridge.windows_file",
+    "load_windows": "bridge.windows_file",
+    "check_windows_for": "bridge.windows_file",
+    "MAX_WINDOW": "bridge.windows_file",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -30,7 +30,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from ..hf.windows_file import check_windows_for, load_windows
+from ..hf.bridge.windows_file import check_windows_for, load_windows
 from .paged import Batch, PagedKV, windowed_attention
 from .plan import LayerPlan, plan_layer, resolve_windows_path
 

@@ -16,13 +16,13 @@ Policies:
   are then chosen by the exact multiple-choice knapsack of :mod:`aah.controller.budget`,
   per layer (``scope="layer"``) or for all layers at once (``scope="model"``).
   ``measure="kl"`` (an option of ours) puts the estimated KL divergence from the full
-  model that each window adds (:mod:`aah.hf.loss_estimate`, one backward pass per batch)
+  model that each window adds (:mod:`aah.hf.calibration.window_kl`, one backward pass per batch)
   in the knapsack instead of the lost mass; it is in one unit across layers, so it is
   meant for ``scope="model"``. ``measure="kl_retrieval"`` adds to it, with weight
   ``retrieval_weight``, what each window costs on synthetic long-range retrieval: the rise of
-  the answer tokens' loss on ``retrieval`` sequences (:mod:`aah.hf.retrieval_calibration`),
+  the answer tokens' loss on ``retrieval`` sequences (:mod:`aah.hf.calibration.answer_loss`),
   so the knapsack keeps the heads that must see far. With ``retrieval_reserve`` (ours) the
-  knapsack leaves part of the budget to a repair pass (:mod:`aah.hf.retrieval_repair`) that
+  knapsack leaves part of the budget to a repair pass (:mod:`aah.hf.calibration.repair`) that
   widens the KV groups that lower the answer loss most with the whole model windowed.
 
 With grouped-query attention the windows are decided per KV group by default
@@ -39,24 +39,25 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from ..controller import HeadController
-from ..controller.budget import budget_capacity, choose_windows
-from ..controller.lost_mass import lost_mass
-from ..controller.selection import share_within_kv_groups as share_row
-from ..regimes import get as get_regime
-from ..windows import candidate_windows, causal_coverage, causal_pairs
-from .loss_estimate import measure_window_kl
-from .patching import (
-    LayerWindows,
+from ...controller import HeadController
+from ...controller.budget import budget_capacity, choose_windows
+from ...controller.lost_mass import lost_mass
+from ...controller.selection import share_within_kv_groups as share_row
+from ...regimes import get as get_regime
+from ...windows import candidate_windows, causal_coverage
+from ..bridge.patch import recording
+from ..bridge.spec import (
     attention_modules,
     kv_heads,
     layer_sinks,
     layer_sliding_window,
     layer_sliding_windows,
-    recording,
+    uniform_window_for_budget,
+    window_pairs,
 )
-from .retrieval_calibration import measure_answer_loss
-from .retrieval_repair import repair_windows
+from .answer_loss import measure_answer_loss
+from .repair import repair_windows
+from .window_kl import measure_window_kl
 
 __all__ = [
     "POLICIES",
@@ -79,39 +80,6 @@ SCOPES = ("layer", "model")
 MEASURES = ("lost_mass", "kl", "kl_retrieval")
 
 
-def uniform_window_for_budget(
-    budget: float, seq_len: int, *, sink_tokens: int = 0, layer_windows: Sequence[int | None] | None = None
-) -> int:
-    """The largest window ``W`` whose causal coverage at ``seq_len`` (with sinks) is ``<= budget``.
-
-    With ``layer_windows`` (each layer's own sliding window, ``None`` for none) the coverage
-    is the executed one of ``W`` in every layer: ``min(W, sliding window)`` without sinks in a
-    sliding layer (:func:`_window_pairs`), averaged over the layers.
-    """
-    if not 0.0 < budget <= 1.0:
-        raise ValueError(f"budget must be in (0, 1], got {budget}")
-    smallest = causal_coverage([1], seq_len, sink_tokens=sink_tokens)
-    if budget < smallest:
-        raise ValueError(
-            f"budget {budget} is below the causal coverage of a window of 1 with {sink_tokens} "
-            f"sink tokens at length {seq_len} ({smallest:.4f})"
-        )
-    layers = [None] if not layer_windows else list(layer_windows)
-    full = seq_len * (seq_len + 1) // 2
-
-    def coverage(w: int) -> float:
-        return sum(_window_pairs([w], seq_len, sink_tokens, lw)[0] for lw in layers) / (len(layers) * full)
-
-    lo, hi = 1, seq_len  # coverage grows with W: find the last W within the budget
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if coverage(mid) <= budget:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
-
-
 def share_within_kv_groups(windows: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     """(L, H) windows where the query heads of each KV head take the largest window among them.
 
@@ -131,15 +99,6 @@ def resolve_candidates(seq_len: int, candidates: Sequence[int] | None) -> tuple[
     return cands
 
 
-def _window_pairs(
-    candidates: Sequence[int], seq_len: int, sink_tokens: int, layer_window: int | None = None
-) -> list[int]:
-    """Allowed (query, key) pairs of one head per candidate, sinks counted, as the patched layer
-    executes it (:meth:`LayerWindows.build`: capped by its own sliding window, without sinks there)."""
-    spec = LayerWindows.build(tuple(int(w) for w in candidates), sink_tokens, "auto", layer_window)
-    return [causal_pairs(w, seq_len, sink_tokens=spec.sink_tokens) for w in spec.windows]
-
-
 def check_budgeted_budget(
     budget: float | None, candidates: Sequence[int], seq_len: int, *, sink_tokens: int
 ) -> float:
@@ -147,7 +106,7 @@ def check_budgeted_budget(
     feasible causal coverage (every head at the smallest candidate, sinks counted)."""
     if budget is None:
         raise ValueError("policy 'budgeted' needs a budget (target causal coverage in (0, 1])")
-    cheapest = min(_window_pairs(candidates, seq_len, sink_tokens))
+    cheapest = min(window_pairs(candidates, seq_len, sink_tokens))
     # A layer (or model) of H heads fits iff floor(b H full) >= H cheapest iff floor(b full) >= cheapest.
     if budget_capacity(budget, 1, seq_len) < cheapest:
         smallest = causal_coverage([min(candidates)], seq_len, sink_tokens=sink_tokens)
@@ -201,12 +160,12 @@ def budgeted_windows(
 
     ``lost`` is an (L, H, K) table of what each window loses: the lost mass of
     :func:`measure_lost_mass` or the loss estimate of
-    :func:`~aah.hf.loss_estimate.measure_window_kl`. Every item (a head,
+    :func:`~aah.hf.calibration.window_kl.measure_window_kl`. Every item (a head,
     or a KV group of ``H / num_kv_heads`` heads) takes one candidate; the knapsack is solved
     per layer or, with ``scope="model"``, once over all layers. ``layer_windows`` gives each
     layer's own sliding window (``None``: none), so a window is costed as that layer runs it
     (see :func:`_window_pairs`): the coverage spent is the executed one, which
-    :func:`~aah.hf.patching.executed_coverage` reports.
+    :func:`~aah.hf.bridge.spec.executed_coverage` reports.
     """
     check_choice("scope", scope, SCOPES)
     num_layers, num_heads, k = lost.shape
@@ -217,7 +176,7 @@ def budgeted_windows(
     layer_windows = [None] * num_layers if layer_windows is None else list(layer_windows)
     if len(layer_windows) != num_layers:
         raise ValueError(f"layer_windows must name {num_layers} layers, got {len(layer_windows)}")
-    costs = [_window_pairs(candidates, seq_len, sink_tokens, lw) for lw in layer_windows]
+    costs = [window_pairs(candidates, seq_len, sink_tokens, lw) for lw in layer_windows]
     item_lost = [torch.stack([lost[layer, heads].double().sum(0) for heads in items]) for layer in range(num_layers)]
     sizes = [len(heads) for heads in items]
     if scope == "model":
@@ -298,9 +257,9 @@ def calibrate(
     paper's ladder ``T/8, T/4, T/2, T``. ``scope`` (``layer`` or ``model``) is where the
     ``budgeted`` policy spends its budget and ``measure`` (``lost_mass`` or ``kl``) what it
     minimises. ``measure="kl_retrieval"`` needs ``retrieval``, the sequences of
-    :func:`aah.hf.retrieval_calibration.calibration_sequences`, whose answer loss it adds to the
+    :func:`aah.hf.calibration.answer_loss.calibration_sequences`, whose answer loss it adds to the
     KL estimate times ``retrieval_weight``. With ``retrieval_reserve`` > 0 the knapsack spends
-    ``budget - retrieval_reserve`` and the repair pass of :mod:`aah.hf.retrieval_repair` spends
+    ``budget - retrieval_reserve`` and the repair pass of :mod:`aah.hf.calibration.repair` spends
     the rest in ``repair_rounds`` rounds on the items that most lower the answer loss of the
     whole windowed model. The model is left unpatched.
     """
@@ -364,7 +323,7 @@ def _run_budgeted(
     if retrieval_reserve > 0:
         windows, _ = repair_windows(
             model, retrieval, windows, budget=budget, seq_len=seq_len, candidates=cands,
-            head_costs=[_window_pairs(cands, seq_len, sink_tokens, lw) for lw in layer_windows], items=items,
+            head_costs=[window_pairs(cands, seq_len, sink_tokens, lw) for lw in layer_windows], items=items,
             sink_tokens=sink_tokens, rounds=repair_rounds,
             full_nll=sum(full_nll) / sum(len(seq.answer) for seq in retrieval), progress=progress,
         )

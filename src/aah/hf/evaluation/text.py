@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..data.corpora import load_corpus
+from ...data.corpora import load_corpus
 
 __all__ = ["token_blocks"]
 

@@ -30,19 +30,18 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..report.stats import paired_difference
-from ._transformers import require
-from .cache import cache_memory_bytes, cache_route, new_cache
-from .calibration import uniform_window_for_budget
-from .kept_keys import KeptKeys, kept_coverage
-from .patching import (
+from ...report.stats import paired_difference
+from .._transformers import require
+from ..bridge.cache import cache_memory_bytes, cache_route, new_cache
+from ..bridge.kept_keys import KeptKeys, kept_coverage
+from ..bridge.patch import patch, unpatch
+from ..bridge.spec import (
     executed_coverage,
     kv_heads,
     layer_sliding_windows,
     layer_specs,
     layer_windows_for,
-    patch,
-    unpatch,
+    uniform_window_for_budget,
 )
 
 __all__ = ["Setting", "evaluate_settings", "last_logits", "markdown_table", "perplexity", "summary", "uniform_setting"]
@@ -51,7 +50,7 @@ __all__ = ["Setting", "evaluate_settings", "last_logits", "markdown_table", "per
 @dataclass(frozen=True)
 class Setting:
     """One way to run the model: ``windows`` None means full attention; ``kept_keys`` keeps far
-    keys in the window cache (:mod:`aah.hf.kept_keys`)."""
+    keys in the window cache (:mod:`aah.hf.bridge.kept_keys`)."""
 
     name: str
     windows: torch.Tensor | None
@@ -124,7 +123,7 @@ def evaluate_settings(
     progress: bool = True,
 ) -> dict[str, dict]:
     """Per-setting ``ppl``, ``prefill_tok_s``, ``decode_tok_s``, ``decode_route``, ``kv_bytes``, ``acr``,
-    ``causal_coverage``. A setting's kept keys (:mod:`aah.hf.kept_keys`) count in its ACR, causal
+    ``causal_coverage``. A setting's kept keys (:mod:`aah.hf.bridge.kept_keys`) count in its ACR, causal
     coverage, timings and KV bytes; its perplexity reads the blocks without a cache, so with the
     windows alone."""
     seq_len = blocks.shape[1]
@@ -180,7 +179,7 @@ def evaluate_settings(
 def setting_coverage(model, setting: Setting, seq_len: int) -> tuple[float, float]:
     """ACR and causal coverage of ``setting`` as ``model``, patched with it, runs at ``seq_len``:
     1 for full attention; with kept keys, counting those and the tail rows
-    (:func:`aah.hf.kept_keys.kept_coverage`)."""
+    (:func:`aah.hf.bridge.kept_keys.kept_coverage`)."""
     if setting.windows is None:
         return 1.0, 1.0
     if setting.kept_keys is None:

@@ -49,7 +49,7 @@ class Adopted:
 def _rebuild(func, args, mixin: type | None = None):
     obj = func(*args)
     obj.__class__ = adopted_class(mixin or _PatchedGeneration, type(obj))
-    from .patching import register
+    from .attention import register
 
     register()
     return obj

@@ -1,7 +1,7 @@
 """What a head's window costs on long-range retrieval: an answer-token loss on synthetic needles.
 
 The calibration sequences are built from other material than the evaluation of
-:mod:`aah.hf.retrieval`, so windows are not tuned to its templates:
+:mod:`aah.hf.evaluation.tasks`, so windows are not tuned to its templates:
 
 * filler: lines of natural text from the ``train`` split of a calibration corpus (the Bible
   by default; the evaluation uses repetitive sentences and held-out Shakespeare);
@@ -11,7 +11,7 @@ The calibration sequences are built from other material than the evaluation of
   with other lockers, the asked needle at a depth spread over 10-90 %;
 * question and teacher-forced answer: "Question: what is the access code of the LOCKER
   locker? Answer: the access code of the LOCKER locker is ABC-1234."
-* with ``instruction`` (the sequences of :mod:`aah.hf.retrieval_repair`), the context opens
+* with ``instruction`` (the sequences of :mod:`aah.hf.calibration.repair`), the context opens
   with :data:`CALIBRATION_INSTRUCTION`, as real retrieval prompts open with one, worded unlike
   the evaluation's introductions.
 
@@ -24,10 +24,10 @@ attention is recorded (floored at 0, averaged over sequences, per answer token).
 thus apply where retrieval happens, at the queries that must reach back to the needle to
 produce the answer; the filler, needle and question are read at full attention. Each item is
 judged alone, with every other head at full attention (as the KL estimate of
-:mod:`aah.hf.loss_estimate` judges each head alone).
+:mod:`aah.hf.calibration.window_kl` judges each head alone).
 
 The item's loss is shared equally among its heads, so that summing a (L, H, K) table over
-an item's heads (what :func:`aah.hf.calibration.budgeted_windows` does) gives it back.
+an item's heads (what :func:`aah.hf.calibration.policies.budgeted_windows` does) gives it back.
 """
 
 from __future__ import annotations
@@ -41,18 +41,13 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..windows import visible
-from ._transformers import require
-from .patching import (
-    LayerWindows,
-    attend_without_cache,
-    attention_modules,
-    layer_sinks,
-    layer_sliding_window,
-)
-from .retrieval import _tokens, assemble, corpus_lines
+from ...windows import visible
+from .._transformers import require
+from ..bridge.attention import attend_without_cache
+from ..bridge.spec import LayerWindows, attention_modules, layer_sinks, layer_sliding_window
+from ..evaluation.tasks import assemble, corpus_lines, token_cache
 
-__all__ = ["CALIBRATION_FILLER", "CALIBRATION_INSTRUCTION", "RetrievalSequence", "calibration_sequences", "measure_answer_loss"]
+__all__ = ["CALIBRATION_FILLER", "CALIBRATION_INSTRUCTION", "RetrievalSequence", "answer_token_nll", "calibration_sequences", "measure_answer_loss", "window_probe"]
 
 #: The corpus and split the calibration needles are buried in.
 CALIBRATION_FILLER = ("bible", "train")
@@ -90,7 +85,7 @@ def calibration_sequences(
     context opens with :data:`CALIBRATION_INSTRUCTION` (the sequences of the retrieval repair)."""
     if count < 1:
         raise ValueError(f"need at least one retrieval sequence, got {count}")
-    tok = _tokens(tokenizer)
+    tok = token_cache(tokenizer)
     lines = corpus_lines(*filler)
     prefix = tok.prefix()
     out = []
@@ -114,7 +109,7 @@ def calibration_sequences(
 
 
 @contextmanager
-def _probe(model: torch.nn.Module, sink_tokens: int):
+def window_probe(model: torch.nn.Module, sink_tokens: int):
     """Switch ``model`` to an exact attention whose heads can be given windows per layer.
 
     Yields ``set_windows(by_layer)``: ``by_layer`` maps a layer to its windows ((B, H) or (1, H):
@@ -163,7 +158,7 @@ def _probe(model: torch.nn.Module, sink_tokens: int):
         model.set_attn_implementation(previous)
 
 
-def _answer_nll(model, cache, inputs: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
+def answer_token_nll(model, cache, inputs: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
     """(B,) summed NLL of ``answer`` (A,) predicted from each row of ``inputs`` (B, A) read after
     the cached tokens; the cache is cut back afterwards."""
     logits = model(inputs, past_key_values=cache, use_cache=True).logits
@@ -188,14 +183,14 @@ def measure_answer_loss(
 
     All (item, candidate) variants of one layer run as one batch over a cache of the context
     repeated for each of them. ``full_nll``, when given, receives each sequence's summed answer
-    NLL at full attention (the reference of :mod:`aah.hf.retrieval_repair`).
+    NLL at full attention (the reference of :mod:`aah.hf.calibration.repair`).
     """
     dynamic_cache = require("transformers.cache_utils").DynamicCache
     modules = attention_modules(model)
     heads = model.config.num_attention_heads
     totals = torch.zeros(len(modules), heads, len(candidates), dtype=torch.float64)
     answer_tokens = 0
-    with _probe(model, sink_tokens) as set_windows, tqdm(
+    with window_probe(model, sink_tokens) as set_windows, tqdm(
         total=len(sequences) * len(modules), desc="calibrate retrieval (answer loss)", disable=not progress
     ) as bar:
         for seq in sequences:
@@ -214,14 +209,14 @@ def measure_answer_loss(
             cache = dynamic_cache(config=model.config)
             set_windows({})
             model(ids[:, :read], past_key_values=cache, use_cache=True)
-            base = float(_answer_nll(model, cache, inputs, answer)[0])
+            base = float(answer_token_nll(model, cache, inputs, answer)[0])
             if full_nll is not None:
                 full_nll.append(base)
             cache.batch_repeat_interleave(len(variants))
             batch = inputs.expand(len(variants), -1)
             for layer in range(len(modules)):
                 set_windows({layer: windows})
-                rise = (_answer_nll(model, cache, batch, answer).double() - base).clamp_min(0.0).cpu()
+                rise = (answer_token_nll(model, cache, batch, answer).double() - base).clamp_min(0.0).cpu()
                 for v, (i, c) in enumerate(variants):
                     totals[layer, list(items[i]), c] += float(rise[v]) / len(items[i])
                 bar.update()

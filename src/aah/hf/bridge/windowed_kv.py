@@ -1,4 +1,4 @@
-"""The hand-over between an :mod:`aah.hf.cache` layer and the attention function.
+"""The hand-over between an :mod:`aah.hf.bridge.cache` layer and the attention function.
 
 transformers calls ``cache.update(k, v, layer_idx)`` and passes what it returns straight to
 the attention function. A window cache layer returns two :class:`WindowedKV` tensors: the new
@@ -14,12 +14,8 @@ raises a ``RuntimeError`` that says so, instead of attending over the new tokens
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from .cache import WindowCacheLayer
 
 __all__ = ["Pending", "WindowedKV", "pending_of"]
 
@@ -34,7 +30,7 @@ _METADATA = {"__get__", "size", "dim", "__len__", "numel", "element_size", "__re
 
 @dataclass
 class Pending:
-    layer: WindowCacheLayer
+    layer: object  # the aah.hf.bridge.cache.WindowCacheLayer that attends and stores
     keys: torch.Tensor  # (B, H_kv, T_new, D), plain tensors
     values: torch.Tensor
     start: int  # absolute position of the first new token

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .patching import executed_coverage
+from .spec import executed_coverage
 
 __all__ = [
     "KeptGroup", "KeptKeys", "KeptStore", "choose_kept", "kept_coverage", "rolling_coverage_pairs",
@@ -370,7 +370,7 @@ def tail_coverage_pairs(
 
 def kept_coverage(specs: Sequence, seq_len: int, kept: KeptKeys, num_kv_heads: int) -> tuple[float, float]:
     """ACR and causal coverage of a ``seq_len`` prompt read with ``kept`` over the layers' windows
-    ``specs`` (:class:`aah.hf.patching.LayerWindows`): each head holds its window and its sinks,
+    ``specs`` (:class:`aah.hf.bridge.spec.LayerWindows`): each head holds its window and its sinks,
     plus its KV head's kept keys (at most the positions no window reads again, none in a layer
     with its own sliding window), and the tail rows read every earlier key (the other rows also
     their blocks' rolling kept keys, where ``kept.prefill_keys`` > 0)."""

@@ -1,11 +1,11 @@
 """The flags ``aah hf eval`` and ``aah hf retrieval`` share for the windowed settings: sink tokens
-other than the windows file's, and kept keys (:mod:`aah.hf.kept_keys`)."""
+other than the windows file's, and kept keys (:mod:`aah.hf.bridge.kept_keys`)."""
 
 from __future__ import annotations
 
 import argparse
 
-from ..errors import CLIError
+from ...errors import CLIError
 
 __all__ = ["add_setting_flags", "kept_keys_config", "setting_flags"]
 
@@ -34,14 +34,14 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
 
 def setting_flags(args: argparse.Namespace):
     """``(sink_tokens, kept_keys)`` of the flags, checked: ``--sink-tokens`` (None: the windows
-    file's) and the :class:`aah.hf.kept_keys.KeptKeys` (None without kept keys)."""
+    file's) and the :class:`aah.hf.bridge.kept_keys.KeptKeys` (None without kept keys)."""
     if args.sink_tokens is not None and args.sink_tokens < 0:
         raise CLIError(f"--sink-tokens must be >= 0, got {args.sink_tokens}")
     return args.sink_tokens, _kept_keys(args)
 
 
 def _kept_keys(args: argparse.Namespace):
-    """The :class:`aah.hf.kept_keys.KeptKeys` of the flags (``--tail-tokens`` and ``--kept-keys``
+    """The :class:`aah.hf.bridge.kept_keys.KeptKeys` of the flags (``--tail-tokens`` and ``--kept-keys``
     both or neither), or ``None``."""
     tail_tokens, kept_keys, pool = args.tail_tokens, args.kept_keys, args.kept_pool
     prefill, block = args.prefill_kept, args.prefill_block
@@ -54,7 +54,7 @@ def _kept_keys(args: argparse.Namespace):
         raise CLIError("--tail-tokens and --kept-keys go together: give both or neither")
     if block is not None and not prefill:
         raise CLIError("--prefill-block needs --prefill-kept >= 1")
-    from .kept_keys import KeptKeys
+    from ..bridge.kept_keys import KeptKeys
 
     pool = KeptKeys.pool_width if pool is None else pool
     prefill = 0 if prefill is None else prefill

@@ -26,7 +26,7 @@ natural text) and needles go between them, at the boundary nearest to the reques
 sample records the depth it really got. Everything is deterministic
 from ``(seed, task, length, depth index, trial)``.
 
-The calibration in :mod:`aah.hf.retrieval_calibration` uses other filler, needle wording and
+The calibration in :mod:`aah.hf.calibration.answer_loss` uses other filler, needle wording and
 key formats (see there), so the windows are not tuned to these templates.
 """
 
@@ -145,7 +145,7 @@ def is_correct(sample: Sample, output: str) -> bool:
     return all(answer in words for answer in sample.answers)
 
 
-class _Tokens:
+class TokenCache:
     """Token ids of text pieces, memoised per tokenizer (a piece is tokenized on its own)."""
 
     def __init__(self, tokenizer) -> None:
@@ -166,20 +166,21 @@ class _Tokens:
         return tuple(with_special[: len(with_special) - len(plain)]) if with_special[-len(plain):] == plain else ()
 
 
-_TOKENS: dict[int, _Tokens] = {}
+_TOKENS: dict[int, TokenCache] = {}
 
 
-def _tokens(tokenizer) -> _Tokens:
+def token_cache(tokenizer) -> TokenCache:
+    """The :class:`TokenCache` of ``tokenizer`` (one per tokenizer object)."""
     found = _TOKENS.get(id(tokenizer))
     if found is None or found.tokenizer is not tokenizer:
-        found = _TOKENS[id(tokenizer)] = _Tokens(tokenizer)
+        found = _TOKENS[id(tokenizer)] = TokenCache(tokenizer)
     return found
 
 
 @lru_cache(maxsize=4)
 def corpus_lines(corpus: str, split: str) -> tuple[str, ...]:
     """The non-empty lines of a corpus split, each as a filler unit starting with a newline."""
-    from ..data.corpora import load_corpus
+    from ...data.corpora import load_corpus
 
     lines = []
     for doc in load_corpus(corpus, split).documents:
@@ -199,7 +200,7 @@ def _filler_units(kind: str, rng: random.Random, text_source: tuple[str, str]) -
 
 
 def assemble(
-    tok: _Tokens,
+    tok: TokenCache,
     budget: int,
     units: Callable[[int], str],
     needles: Sequence[tuple[float, str]],
@@ -284,7 +285,7 @@ def build_sample(
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
     rng = _seeded(seed, task, length, depth_index, trial)
-    tok = _tokens(tokenizer)
+    tok = token_cache(tokenizer)
     if task == "vt":
         return _variable_tracking(tok, rng, length, depth, trial, depth_index)
     template = TEMPLATES[task]
@@ -308,7 +309,7 @@ def build_sample(
                   depths[0])
 
 
-def _variable_tracking(tok: _Tokens, rng: random.Random, length: int, depth: float, trial: int,
+def _variable_tracking(tok: TokenCache, rng: random.Random, length: int, depth: float, trial: int,
                        depth_index: int) -> Sample:
     """A chain of four variables holding one 5-digit value; the first assignment at ``depth``."""
     hops, max_new = 4, 30

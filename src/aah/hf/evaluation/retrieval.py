@@ -1,6 +1,6 @@
-"""Run the retrieval tasks of :mod:`aah.hf.retrieval` for several settings of one model and score them.
+"""Run the retrieval tasks of :mod:`aah.hf.evaluation.tasks` for several settings of one model and score them.
 
-Each setting (``full``, ``aah``, ``uniform``: :class:`aah.hf.evaluate.Setting`) reads every
+Each setting (``full``, ``aah``, ``uniform``: :class:`aah.hf.evaluation.compare.Setting`) reads every
 prompt once (the prefill, into the setting's own cache: transformers' dynamic cache for
 ``full``, the window cache otherwise) and then decodes ``max_new_tokens`` greedy tokens from
 that cache. A sample is correct when every answer is a whole word of the decoded text. All
@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .evaluate import Setting, last_logits, setting_coverage
-from .retrieval import Sample, is_correct
+from .compare import Setting, last_logits, setting_coverage
+from .tasks import Sample, is_correct
 
 __all__ = ["AnswerJournal", "wilson_interval", "generate_answers", "run_settings", "score", "draw_heatmaps",
            "depth_key"]
@@ -169,7 +169,7 @@ def score(samples: Sequence[Sample], outputs: dict[str, list[str]]) -> dict[str,
 
 def setting_facts(model, setting: Setting, seq_len: int) -> dict:
     """``acr``, ``causal_coverage`` (as the layers run them at ``seq_len``; with kept keys, counting
-    the keys kept and the tail rows, :func:`aah.hf.kept_keys.kept_coverage`) and the uniform ``window``."""
+    the keys kept and the tail rows, :func:`aah.hf.bridge.kept_keys.kept_coverage`) and the uniform ``window``."""
     if setting.windows is None:
         return {"acr": 1.0, "causal_coverage": 1.0, "window": None}
     setting.apply(model)

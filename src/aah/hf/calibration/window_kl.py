@@ -40,9 +40,10 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from ..controller.features import sample_query_positions
-from ..windows import visible
-from .patching import attention_modules, layer_sinks, layer_sliding_window, recording
+from ...controller.features import sample_query_positions
+from ...windows import visible
+from ..bridge.patch import recording
+from ..bridge.spec import attention_modules, layer_sinks, layer_sliding_window
 
 __all__ = ["window_output_change", "measure_window_kl"]
 
@@ -139,7 +140,7 @@ def measure_window_kl(
     with a generator seeded by ``seed``, unless ``labels`` gives them, one (B, T - 1) tensor
     per batch (the text's own next tokens give the empirical Fisher instead). The model must
     be unpatched; it runs at full attention, each layer within its own sliding window if it has
-    one (where the patched layer keeps no sinks, see :meth:`~aah.hf.patching.LayerWindows.build`).
+    one (where the patched layer keeps no sinks, see :meth:`~aah.hf.bridge.spec.LayerWindows.build`).
     """
     modules = attention_modules(model)
     seq_len = int(batches[0].shape[-1])

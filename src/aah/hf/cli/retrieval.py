@@ -9,7 +9,8 @@ import json
 import sys
 from pathlib import Path
 
-from ..errors import CLIError
+from ...errors import CLIError
+from .models import load_model_folder
 from .setting_flags import add_setting_flags, kept_keys_config, setting_flags
 
 __all__ = ["add_command"]
@@ -69,8 +70,7 @@ def _names(flag: str, text: str, allowed: tuple[str, ...]) -> list[str]:
 
 
 def _retrieval(args: argparse.Namespace) -> int:
-    from .cli import _load
-    from .retrieval import TASKS
+    from ..evaluation.tasks import TASKS
 
     tasks = _names("--tasks", args.tasks, TASKS)
     wanted = _names("--settings", args.settings, SETTINGS)
@@ -80,16 +80,22 @@ def _retrieval(args: argparse.Namespace) -> int:
     lengths = _numbers("--lengths", args.lengths, int, lambda n: n >= 2, "lengths >= 2")
     sink_tokens, kept = setting_flags(args)
 
-    from .evaluate import Setting, uniform_setting
-    from .retrieval import build_samples
-    from .retrieval_eval import AnswerJournal, draw_heatmaps, run_settings, score, setting_facts
-    from .windows_file import check_windows_for, load_windows
+    from ..bridge.windows_file import check_windows_for, load_windows
+    from ..evaluation.compare import Setting, uniform_setting
+    from ..evaluation.retrieval import (
+        AnswerJournal,
+        draw_heatmaps,
+        run_settings,
+        score,
+        setting_facts,
+    )
+    from ..evaluation.tasks import build_samples
 
     try:
         windows, meta = load_windows(args.windows)
     except (FileNotFoundError, ValueError) as exc:
         raise CLIError(str(exc)) from None
-    config, tokenizer, load_model = _load(args.model_dir, 2)
+    config, tokenizer, load_model = load_model_folder(args.model_dir, 2)
     limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and max(lengths) > limit:
         raise CLIError(f"--lengths must be at most {limit} (max_position_embeddings of the model), got {max(lengths)}")

@@ -1,6 +1,6 @@
 """Widen the KV groups that carry retrieval together: a repair pass after the knapsack (ours).
 
-The answer loss of :mod:`aah.hf.retrieval_calibration` judges each knapsack item alone, every
+The answer loss of :mod:`aah.hf.calibration.answer_loss` judges each knapsack item alone, every
 other head at full attention. Two things escape it. Where several heads can each fetch a far
 needle, none of them looks necessary alone, and the knapsack may window them all. And a context
 read with windows everywhere may no longer carry what the answer needs (the prompt's opening
@@ -8,7 +8,7 @@ instruction, say), which a one-item measurement over a full-attention context ne
 
 The repair measures with the whole model windowed:
 
-1. the knapsack spends ``budget - reserve`` (:func:`aah.hf.calibration.calibrate` with
+1. the knapsack spends ``budget - reserve`` (:func:`aah.hf.calibration.policies.calibrate` with
    ``retrieval_reserve``);
 2. each round reads every calibration sequence at the current windows into a cache (all
    layers windowed, sinks kept), then reads the positions that predict the answer again once
@@ -24,7 +24,7 @@ sequences it can be lower than full attention's while needles are lost (on SmolL
 the knapsack's windows at causal coverage 0.35 scored 0.61 nats per answer token against full
 attention's 0.65, and lost every far pass key), so the reserve is spent on what gains.
 
-The sequences are those of :func:`~aah.hf.retrieval_calibration.calibration_sequences` with
+The sequences are those of :func:`~aah.hf.calibration.answer_loss.calibration_sequences` with
 ``instruction=True``: their context opens with an instruction worded unlike the evaluation's.
 """
 
@@ -36,9 +36,9 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from ..controller.budget import budget_capacity
-from ._transformers import require
-from .retrieval_calibration import RetrievalSequence, _answer_nll, _probe
+from ...controller.budget import budget_capacity
+from .._transformers import require
+from .answer_loss import RetrievalSequence, answer_token_nll, window_probe
 
 __all__ = ["RepairRound", "joint_answer_gain", "repair_windows"]
 
@@ -72,7 +72,7 @@ def joint_answer_gain(
     num_layers = windows.shape[0]
     gains = torch.zeros(len(widen), dtype=torch.float64)
     windowed, answer_tokens = 0.0, 0
-    with _probe(model, sink_tokens) as set_windows, tqdm(
+    with window_probe(model, sink_tokens) as set_windows, tqdm(
         total=len(sequences), desc="repair (joint answer gain)", disable=not progress
     ) as bar:
         for seq in sequences:
@@ -83,7 +83,7 @@ def joint_answer_gain(
             set_windows({layer: windows[layer][None] for layer in range(num_layers)})
             cache = dynamic_cache(config=model.config)
             model(ids[:, :read], past_key_values=cache, use_cache=True)
-            base = float(_answer_nll(model, cache, inputs, answer)[0])
+            base = float(answer_token_nll(model, cache, inputs, answer)[0])
             windowed += base
             for start in range(0, len(widen), chunk):
                 part = widen[start : start + chunk]
@@ -92,7 +92,7 @@ def joint_answer_gain(
                     by_layer[layer][row, list(heads)] = widen_to
                 set_windows(by_layer)
                 cache.batch_repeat_interleave(len(part))
-                nll = _answer_nll(model, cache, inputs.expand(len(part), -1), answer)
+                nll = answer_token_nll(model, cache, inputs.expand(len(part), -1), answer)
                 cache.batch_select_indices(torch.tensor([0], device=model.device))
                 gains[start : start + len(part)] += base - nll.double().cpu()
             bar.update()

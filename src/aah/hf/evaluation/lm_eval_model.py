@@ -10,11 +10,11 @@ right after it loads. Every ``HFLM`` argument works as usual; two are added:
 lm-eval finds models by name in its registry, so run it through this module, which registers
 ``aah_hf`` and then hands the command line to lm-eval unchanged::
 
-    python -m aah.hf.lm_eval_model --model aah_hf \\
+    python -m aah.hf.evaluation.lm_eval_model --model aah_hf \\
         --model_args pretrained=models/smollm2,windows=w.safetensors --device cpu \\
         --tasks niah_single_1 --metadata '{"max_seq_lengths": [4096]}' --limit 10
 
-From Python, ``import aah.hf.lm_eval_model`` before ``lm_eval.simple_evaluate(model="aah_hf", ...)``.
+From Python, ``import aah.hf.evaluation.lm_eval_model`` before ``lm_eval.simple_evaluate(model="aah_hf", ...)``.
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ try:
     from lm_eval.models.huggingface import HFLM
 except ImportError as exc:  # pragma: no cover - depends on the optional extra
     raise ImportError(
-        "aah.hf.lm_eval_model needs lm-evaluation-harness: pip install -e '.[eval]' (lm-eval==0.4.13)"
+        "aah.hf.evaluation.lm_eval_model needs lm-evaluation-harness: pip install -e '.[eval]' (lm-eval==0.4.13)"
     ) from exc
 
-from .patching import patch
-from .windows_file import check_windows_for, load_windows
+from ..bridge.patch import patch
+from ..bridge.windows_file import check_windows_for, load_windows
 
 __all__ = ["AAHLM", "MODEL_NAME", "main"]
 

@@ -16,8 +16,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from ..data._files import atomic_path
-from ..windows import as_window_tensor
+from ...data._files import atomic_path
+from ...windows import as_window_tensor
 
 __all__ = ["MAX_SINK_TOKENS", "MAX_WINDOW", "REQUIRED_META", "check_windows_for", "load_windows", "model_signature",
            "save_windows"]

@@ -3,7 +3,7 @@
 At one token per row a transformers decoder layer is some forty operator calls (norms, four
 projections, rotary embedding, cache update, attention, three MLP projections, residuals),
 each paying PyTorch's fixed costs, and the general matrix product is slow for one row. When a
-patched model decodes into an :mod:`aah.hf.cache` window cache on CPU, :func:`adopt_layers`
+patched model decodes into an :mod:`aah.hf.bridge.cache` window cache on CPU, :func:`adopt_layers`
 moves each decoder layer into a subclass whose ``forward`` runs such a step as one call of
 :func:`aah.decode.ring_decode.decode_block` instead: the same operations in the same order, the key
 and value written straight into the layer's ring, each head reading its window and the sinks
@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from ..decode import ring_decode
+from ...decode import ring_decode
+from .cache import WindowCacheLayer
 from .generation import Adopted, adopted_class
 
 __all__ = ["BLOCK_FAMILIES", "adopt_layers", "release_layers", "layer_block"]
@@ -90,8 +91,6 @@ def _compiled_step(layer, hidden_states: torch.Tensor, kwargs: dict) -> torch.Te
         return None
     if hidden_states.dim() != 3 or hidden_states.shape[1] != 1:
         return None
-    from .cache import WindowCacheLayer
-
     attn = layer._modules["self_attn"]
     layers = getattr(kwargs.get("past_key_values"), "layers", ())
     cache_layer = layers[attn.layer_idx] if attn.layer_idx < len(layers) else None

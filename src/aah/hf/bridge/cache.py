@@ -20,11 +20,11 @@ a dynamic cache costs), never beyond.
 The routes of a call (:attr:`WindowCacheLayer.route`):
 
 * ``compiled block``: a one-token step of a Llama, Mistral or Qwen2 layer without padding on
-  CPU runs the whole decoder layer in one compiled call (:mod:`aah.hf.block_step`);
+  CPU runs the whole decoder layer in one compiled call (:mod:`aah.hf.bridge.block_step`);
 * ``compiled attention``: any other one-token step without padding on CPU runs the layer's
   modules, and its attention reads each head's window and the sinks before it from the flat
   buffers in one call (:func:`aah.decode.ring_decode.ring_decode`), then joins any kept keys
-  (:mod:`aah.hf.kept_keys`) to the same softmax by its log-sum-exp;
+  (:mod:`aah.hf.bridge.kept_keys`) to the same softmax by its log-sum-exp;
 * ``masked``: everything else (chunked prefill after a prefix, padding, other devices, no
   compiler) attends over the slots plus the new tokens with an exact position mask, then
   stores the new tokens; ``prefill``: the first call, which the model's backends run.
@@ -42,8 +42,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..decode.rings import RingGroup, RingStore, joined_route
-from ._transformers import require
+from ...decode.rings import RingGroup, RingStore, joined_route
+from .._transformers import require
+from .attention import attend_without_cache
 from .kept_keys import (
     KeptKeys,
     KeptStore,
@@ -52,14 +53,8 @@ from .kept_keys import (
     rolling_prefill,
     tail_attention,
 )
-from .patching import (
-    SPEC_ATTR,
-    LayerWindows,
-    attend_without_cache,
-    kv_heads,
-    layer_specs,
-    visible_keys,
-)
+from .masks import visible_keys
+from .spec import SPEC_ATTR, LayerWindows, kv_heads, layer_specs
 from .windowed_kv import Pending, WindowedKV
 
 __all__ = ["WindowCacheLayer", "cache_memory_bytes", "cache_route", "new_cache"]
@@ -116,7 +111,7 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         self.max_cache_len = max_cache_len
         self.crop_limit = crop_limit
         self.kept_keys = kept_keys
-        self.kept: KeptStore | None = None  # what the prefill kept (aah.hf.kept_keys)
+        self.kept: KeptStore | None = None  # what the prefill kept (aah.hf.bridge.kept_keys)
         self.store = RingStore(self.windows, num_kv_heads, sinks=sink_tokens, max_len=max_cache_len)
         self.undo: list[list[_Undo]] = [[] for _ in self.store.groups]  # per ring group, oldest first
         self.record_past = False  # transformers' flag: record every write until the next crop
@@ -198,7 +193,7 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
     def route(self) -> str | None:
         """How the last call attended: ``prefill`` (no cache yet), ``masked`` (a chunk, padding, or
         no compiled step), ``compiled attention`` (one token, the attention compiled) or ``compiled
-        block`` (one token, the whole decoder layer compiled, :mod:`aah.hf.block_step`)."""
+        block`` (one token, the whole decoder layer compiled, :mod:`aah.hf.bridge.block_step`)."""
         return self.store.route
 
     @property
@@ -322,7 +317,7 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
 
     def _read_tail_and_keep(self, query, keys, values, attention_mask, scale, spec: LayerWindows, out):
         """The prefill's last rows read every key; each KV head keeps the far keys they read most
-        (:mod:`aah.hf.kept_keys`). Returns ``out`` with those rows replaced."""
+        (:mod:`aah.hf.bridge.kept_keys`). Returns ``out`` with those rows replaced."""
         length = keys.shape[2]
         tail = min(self.kept_keys.tail_tokens, query.shape[2])
         visible = visible_keys(query.shape[2], length, attention_mask, query.device)[:, :, -tail:]
@@ -446,7 +441,7 @@ def new_cache(
     windows at or above the context cost what a dynamic cache costs. ``crop_limit`` is how many
     of the last positions ``crop`` can always take back exactly. With ``kept_keys`` the prompt's
     last tokens read every key and each KV head keeps the far keys they read most
-    (:mod:`aah.hf.kept_keys`); later one-token steps then take the ``compiled attention`` route
+    (:mod:`aah.hf.bridge.kept_keys`); later one-token steps then take the ``compiled attention`` route
     (not ``compiled block``), which joins the kept keys to the windows' softmax.
     """
     specs = layer_specs(model)
