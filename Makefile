@@ -23,6 +23,7 @@ demo: $(STAMP)
 # they are skipped with that reason, and the rest of the suite still runs.
 test: $(STAMP)
 	$(MAKE) vllm-env || echo "make test: .venv-vllm could not be built; the vLLM end-to-end tests will be skipped" >&2
+	$(PY) tools/check_structure.py
 	$(PY) -m pytest
 
 # Regenerate the report shown in docs/results/ (the quick suite, as make demo runs it); the other
@@ -32,7 +33,8 @@ results: demo
 	cp -r runs/demo/report/. docs/results/
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff check src tests tools
+	$(PY) tools/check_structure.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache
