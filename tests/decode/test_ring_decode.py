@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aah.decode import ring_decode
+from aah.decode import extension, ring_decode
 from aah.windows import visible
 
 
@@ -118,15 +118,15 @@ def test_turned_off_by_the_environment(monkeypatch):
 
 
 def test_the_build_folder_follows_the_sources_and_their_place(tmp_path, monkeypatch):
-    here = ring_decode._build_directory()
-    assert here == ring_decode._build_directory()  # stable
+    here = extension._build_directory()
+    assert here == extension._build_directory()  # stable
     copy = tmp_path / "csrc"
     copy.mkdir()
-    for source in ring_decode._CSRC.iterdir():
+    for source in extension._CSRC.iterdir():
         if source.suffix in (".cpp", ".h"):
             (copy / source.name).write_bytes(source.read_bytes())
-    monkeypatch.setattr(ring_decode, "_CSRC", copy)
-    elsewhere = ring_decode._build_directory()
+    monkeypatch.setattr(extension, "_CSRC", copy)
+    elsewhere = extension._build_directory()
     assert elsewhere != here  # the same sources in another place: their own build
     (copy / "linear_rows.h").write_text((copy / "linear_rows.h").read_text() + "\n// changed\n")
-    assert ring_decode._build_directory() not in (here, elsewhere)  # a changed header: a new build
+    assert extension._build_directory() not in (here, elsewhere)  # a changed header: a new build

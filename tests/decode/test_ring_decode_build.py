@@ -1,4 +1,4 @@
-"""Building and loading the compiled decode step (aah.decode.ring_decode.load) like a well-kept package.
+"""Building and loading the compiled decode step (aah.decode.extension.load) like a well-kept package.
 
 The real kernel takes about a minute to compile, so these tests build tiny
 stand-ins in its place (``_CSRC`` points at a folder of their own): a module
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from aah.decode import ring_decode
+from aah.decode import extension
 
-pytestmark = pytest.mark.skipif(ring_decode.fcntl is None, reason="the build lock needs fcntl (POSIX)")
+pytestmark = pytest.mark.skipif(extension.fcntl is None, reason="the build lock needs fcntl (POSIX)")
 
 # A Python module of a few lines under the extension's name (which torch passes as TORCH_EXTENSION_NAME).
 TINY = """\
@@ -46,10 +46,10 @@ BROKEN = "int first() { return undeclared_alpha; }\nint second() { return undecl
 LOADER = textwrap.dedent("""\
     import json, sys, time
     from pathlib import Path
-    from aah.decode import ring_decode
+    from aah.decode import extension
 
-    ring_decode._CSRC = Path(sys.argv[1])
-    compile_for_real, calls = ring_decode._compile, []
+    extension._CSRC = Path(sys.argv[1])
+    compile_for_real, calls = extension._compile, []
 
     def stalling(build):
         calls.append(str(build))
@@ -67,21 +67,21 @@ LOADER = textwrap.dedent("""\
         calls.append(str(build))
         return compile_for_real(build)
 
-    ring_decode._compile = stalling if len(sys.argv) > 2 else counting
-    module = ring_decode.load()
-    print(json.dumps({"answer": getattr(module, "answer", None), "reason": ring_decode.unavailable_reason(),
+    extension._compile = stalling if len(sys.argv) > 2 else counting
+    module = extension.load()
+    print(json.dumps({"answer": getattr(module, "answer", None), "reason": extension.unavailable_reason(),
                       "builds": len(calls)}))
 """)
 
 
 @pytest.fixture
 def fresh(tmp_path, monkeypatch):
-    """``aah.decode.ring_decode`` with an empty extensions folder and nothing loaded yet in this process."""
+    """``aah.decode.extension`` with an empty extensions folder and nothing loaded yet in this process."""
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
     monkeypatch.setenv("AAH_RING_KERNEL", "1")
     monkeypatch.delenv("AAH_RING_KERNEL_RETRY", raising=False)
-    monkeypatch.setattr(ring_decode, "_state", {})
-    return ring_decode
+    monkeypatch.setattr(extension, "_state", {})
+    return extension
 
 
 def _sources(tmp_path: Path, name: str, text: str, monkeypatch=None) -> Path:
@@ -89,7 +89,7 @@ def _sources(tmp_path: Path, name: str, text: str, monkeypatch=None) -> Path:
     folder.mkdir()
     (folder / "decode_step.cpp").write_text(text)
     if monkeypatch is not None:
-        monkeypatch.setattr(ring_decode, "_CSRC", folder)
+        monkeypatch.setattr(extension, "_CSRC", folder)
     return folder
 
 
@@ -115,7 +115,7 @@ def _library(folder: Path) -> list[Path]:
 def _must_not_build(monkeypatch) -> list[Path]:
     """Replace the compile step by one that records that it was asked for; returns the record."""
     calls: list[Path] = []
-    monkeypatch.setattr(ring_decode, "_compile", lambda build: calls.append(build) or types.ModuleType("stub"))
+    monkeypatch.setattr(extension, "_compile", lambda build: calls.append(build) or types.ModuleType("stub"))
     return calls
 
 
