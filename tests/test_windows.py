@@ -114,3 +114,64 @@ def test_visible_by_hand():
     rows = visible(4, keys[None, None, :], torch.tensor([[1], [2]])[None], 1, torch.tensor([0, 3])[:, None, None])
     assert rows.shape == (2, 2, 8)
     assert rows[0, 0].nonzero().flatten().tolist() == [0, 4] and rows[1, 1].nonzero().flatten().tolist() == [3, 4]
+
+
+def test_cut_off_by_hand():
+    from aah.windows import cut_off
+
+    keys = torch.arange(8)
+    assert cut_off(5, keys, 3).nonzero().flatten().tolist() == [0, 1, 2]  # j <= i - W
+    assert cut_off(5, keys, 3, sinks=2).nonzero().flatten().tolist() == [2]  # sinks are never cut
+    assert not cut_off(5, keys, 6).any() and not cut_off(2, keys, 3).any()  # the window reaches key 0
+    assert cut_off(5, keys, 1).nonzero().flatten().tolist() == [0, 1, 2, 3, 4]  # all but the query itself
+    # (query, key) grids and per-head windows broadcast: (heads, queries, keys).
+    grid = cut_off(torch.tensor([3, 4])[:, None], keys[None, :4], torch.tensor([1, 2])[:, None, None])
+    assert grid.tolist() == [
+        [[True, True, True, False], [True, True, True, True]],
+        [[True, True, False, False], [True, True, True, False]],
+    ]
+
+
+def test_visible_among_a_padded_packed_row_by_hand():
+    from aah.windows import visible_among
+
+    doc = torch.tensor([-1, 0, 0, 0, 1, 1])  # position 0 is padding, then two documents
+    seen = (doc[:, None] == doc[None, :]) & (doc[:, None] >= 0) & torch.ones(6, 6, dtype=torch.bool).tril()
+    rows = visible_among(seen[None], [2, 1], sinks=1).int().tolist()
+    assert rows[0] == [  # W = 2, one sink per document
+        [1, 0, 0, 0, 0, 0],  # padding sees nothing and is given key 0
+        [0, 1, 0, 0, 0, 0],
+        [0, 1, 1, 0, 0, 0],
+        [0, 1, 1, 1, 0, 0],  # its window {2, 3} and its document's first token
+        [0, 0, 0, 0, 1, 0],
+        [0, 0, 0, 0, 1, 1],
+    ]
+    assert rows[1] == [  # W = 1
+        [1, 0, 0, 0, 0, 0],
+        [0, 1, 0, 0, 0, 0],
+        [0, 1, 1, 0, 0, 0],
+        [0, 1, 0, 1, 0, 0],
+        [0, 0, 0, 0, 1, 0],
+        [0, 0, 0, 0, 1, 1],
+    ]
+    assert visible_among(seen[None], [2])[0, 3].int().tolist() == [0, 0, 1, 1, 0, 0]  # no sinks
+
+
+def test_layer_rule_by_hand():
+    from aah.windows import layer_rule
+
+    assert layer_rule([4, 16, 64], 2, None) == ((4, 16, 64), 2)
+    assert layer_rule([4, 16, 64], 2, 0) == ((4, 16, 64), 2)  # <= 0: the layer has no window of its own
+    assert layer_rule([4, 16, 64], 2, 16) == ((4, 16, 16), 0)  # capped, and no sinks beyond the window
+
+
+def test_kv_group_reach_by_hand():
+    from aah.windows import kv_group_reach
+
+    assert kv_group_reach([4, 8, 4, 32], 2) == (8, 32)
+    assert kv_group_reach([4, 8, 4, 32], 4) == (4, 8, 4, 32)
+    assert kv_group_reach([3, 1, 2], 1) == (3,)
+    with pytest.raises(ValueError, match="cannot be split"):
+        kv_group_reach([4, 8, 4, 32], 3)
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        kv_group_reach([4, 8], 0)

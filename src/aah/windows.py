@@ -32,6 +32,7 @@ __all__ = [
     "band_mask",
     "visible",
     "visible_among",
+    "cut_off",
     "layer_rule",
     "kv_group_reach",
     "acr",
@@ -116,6 +117,15 @@ def visible(
     q_pos, k_pos = torch.as_tensor(q_pos), torch.as_tensor(k_pos)
     causal = (k_pos <= q_pos) & (k_pos >= first_real)
     return causal & ((q_pos - k_pos < windows) | (k_pos < first_real + sinks))
+
+
+def cut_off(q_pos: torch.Tensor | int, k_pos: torch.Tensor | int, windows: torch.Tensor | int, sinks: int = 0) -> torch.Tensor:
+    """The keys a window cuts off: those query ``q_pos`` sees in full causal context but not under :func:`visible`.
+
+    ``True`` where ``0 <= k_pos <= q_pos - W`` and ``k_pos >= sinks``. Arguments broadcast as in :func:`visible`.
+    """
+    q_pos = torch.as_tensor(q_pos)
+    return visible(q_pos, k_pos, q_pos + 1) & ~visible(q_pos, k_pos, windows, sinks)
 
 
 def visible_among(seen: torch.Tensor, windows: torch.Tensor | Sequence[int], sinks: int = 0) -> torch.Tensor:
