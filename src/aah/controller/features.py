@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..backends.base import expand_kv
+from ..windows import cut_off, visible
 
 __all__ = [
     "NUM_FEATURES", "FEATURE_NAMES", "qkv_moments", "qkv_statistics", "statistics_from_moments",
@@ -115,8 +116,9 @@ class SampledScores:
     def causal_probs(self) -> torch.Tensor:
         """Softmax over the keys each sampled query may see (full causal context)."""
         if self._causal_probs is None:
-            keys = torch.arange(self.scores.shape[-1], device=self.scores.device)
-            blocked = self.positions[:, None] < keys[None, :]  # (S, T)
+            seq_len = self.scores.shape[-1]
+            keys = torch.arange(seq_len, device=self.scores.device)
+            blocked = ~visible(self.positions[:, None], keys, seq_len)  # (S, T); W = T is causal
             self._causal_probs = torch.softmax(_mask_scores(self.scores, blocked), dim=-1)
         return self._causal_probs
 
@@ -172,8 +174,10 @@ def attention_diagnostics(
     ``long_range`` is the distance from which keys count as long range (the
     smallest candidate window). Queries are sampled from positions that can
     see that far back, when the sequence is long enough. ``windows`` (one per
-    query head) restricts head ``h`` to keys ``i - W_h < j <= i``, the
-    attention as executed; ``None`` means full causal context. ``sampled``
+    query head) restricts head ``h`` to keys ``i - W_h < j <= i``
+    (:func:`aah.windows.visible`), the attention as executed; ``None`` means
+    full causal context. Usage is the mass on the keys a window of
+    ``long_range`` cuts off (:func:`aah.windows.cut_off`). ``sampled``
     passes the scores :func:`sample_scores` computed for the same queries.
     """
     num_heads, seq_len, dim = q.shape[1], q.shape[2], q.shape[3]
@@ -185,23 +189,21 @@ def attention_diagnostics(
     pos = sampled.positions
     vf = expand_kv(v.detach().float(), num_heads).contiguous()
     keys = torch.arange(seq_len, device=q.device)
-    distance = pos[:, None] - keys[None, :]  # (S, T)
-    visible = (pos + 1).float().expand(num_heads, -1)  # (H, S) keys each query may see
+    if windows is not None and len(windows) != num_heads:
+        raise ValueError(f"windows: need one per query head ({num_heads}), got {len(windows)}")
+    w = seq_len if windows is None else torch.as_tensor(list(windows), dtype=torch.long, device=q.device).view(-1, 1, 1)
+    allowed = visible(pos[:, None], keys, w)  # (S, T) causal for W = T, else (H, S, T)
     if windows is None:
         probs = sampled.causal_probs()
     else:
-        if len(windows) != num_heads:
-            raise ValueError(f"windows: need one per query head ({num_heads}), got {len(windows)}")
-        w = torch.as_tensor(list(windows), dtype=torch.long, device=q.device).view(num_heads, 1, 1)
-        blocked = (distance < 0) | (distance >= w)  # (H, S, T)
-        visible = torch.minimum(visible, w.view(num_heads, 1).float())
-        probs = torch.softmax(_mask_scores(sampled.scores, blocked), dim=-1)
+        probs = torch.softmax(_mask_scores(sampled.scores, ~allowed), dim=-1)
+    seen = allowed.sum(-1).float().expand(num_heads, -1)  # (H, S) keys each query may see
     # p log p, 0 where p = 0 (there 0 * log(1e-30) is already 0); one scratch tensor serves twice.
     scratch = probs.clamp_min(1e-30)
     plogp_sum = scratch.log_().mul_(probs).sum(-1)
-    log_keys = torch.where(visible > 1, visible.log(), torch.ones_like(visible))
-    entropy = torch.where(visible > 1, -plogp_sum / log_keys, torch.zeros_like(log_keys))
+    log_keys = torch.where(seen > 1, seen.log(), torch.ones_like(seen))
+    entropy = torch.where(seen > 1, -plogp_sum / log_keys, torch.zeros_like(log_keys))
     out_norm = torch.matmul(probs, vf).norm(dim=-1)
-    usage = torch.mul(probs, distance >= long_range, out=scratch).sum(-1)
+    usage = torch.mul(probs, cut_off(pos[:, None], keys, long_range), out=scratch).sum(-1)
     diag = torch.stack([entropy, out_norm, usage], dim=-1)  # (B, H, S, 3)
     return diag.mean(dim=(0, 2))

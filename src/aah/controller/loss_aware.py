@@ -36,6 +36,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..windows import cut_off, visible
 from .features import expand_kv, sample_query_positions
 
 __all__ = ["window_output_change", "fisher_cost"]
@@ -58,17 +59,16 @@ def window_output_change(
     vf = expand_kv(v.detach().float(), h)
     scores = torch.matmul(q.detach().float()[:, :, pos], kf.transpose(-1, -2)) * scale  # (B, H, S, T)
     keys = torch.arange(seq_len, device=q.device)
-    distance = pos[:, None] - keys[None, :]  # (S, T)
-    probs = scores.masked_fill(distance < 0, float("-inf")).softmax(-1)
+    probs = scores.masked_fill(~visible(pos[:, None], keys, seq_len), float("-inf")).softmax(-1)  # W = T: causal
     full = torch.matmul(probs, vf)  # (B, H, S, D)
     out = []
     for w in windows:
-        keep = (distance < int(w)).to(probs.dtype)
-        kept = probs * keep
+        kept = probs * visible(pos[:, None], keys, int(w)).to(probs.dtype)
         windowed = torch.matmul(kept, vf) / kept.sum(-1, keepdim=True)
         out.append(windowed - full)
     change = torch.stack(out, dim=3)
-    cuts = (distance >= torch.tensor([int(w) for w in windows], device=q.device)[:, None, None]).any(-1)  # (K, S)
+    wins = torch.tensor([int(w) for w in windows], device=q.device)[:, None, None]
+    cuts = cut_off(pos[:, None], keys, wins).any(-1)  # (K, S)
     return change * cuts.t().to(change.dtype)[None, None, :, :, None]
 
 

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..windows import cut_off, visible
 from .features import SampledScores, sample_scores
 
 __all__ = ["lost_mass", "lost_mass_from_probs", "within_context"]
@@ -30,16 +31,15 @@ def lost_mass_from_probs(
 ) -> torch.Tensor:
     """Lost mass (..., K) of attention rows ``probs`` (..., S, T) of queries at ``positions`` (S,).
 
-    Entry ``k`` sums each row's probability on keys at distance ``>= windows[k]``,
-    averaged over the S rows. Keys ``j < sink_tokens`` stay visible, so their mass is never lost.
+    Entry ``k`` sums each row's probability on the keys ``windows[k]`` cuts off (distance
+    ``>= windows[k]``, :func:`aah.windows.cut_off`), averaged over the S rows. Keys
+    ``j < sink_tokens`` stay visible, so their mass is never lost.
     """
-    seq_len = probs.shape[-1]
-    keys = torch.arange(seq_len, device=probs.device)
-    distance = positions.to(probs.device)[:, None] - keys[None, :]  # (S, T)
-    past_sinks = (keys[None, :] >= sink_tokens).to(probs.dtype)
+    keys = torch.arange(probs.shape[-1], device=probs.device)
+    pos = positions.to(probs.device)[:, None]
     scratch = torch.empty_like(probs)  # one buffer for every window's masked rows
     out = [
-        torch.mul(probs, (distance >= int(w)).to(probs.dtype) * past_sinks, out=scratch).sum(-1).mean(-1)
+        torch.mul(probs, cut_off(pos, keys, int(w), sink_tokens).to(probs.dtype), out=scratch).sum(-1).mean(-1)
         for w in windows
     ]
     return torch.stack(out, dim=-1)
@@ -47,12 +47,12 @@ def lost_mass_from_probs(
 
 def within_context(probs: torch.Tensor, positions: torch.Tensor, context: int) -> torch.Tensor:
     """Causal attention rows ``probs`` (..., S, T) of queries at ``positions`` (S,) restricted to
-    keys at distance ``< context`` and renormalised: what a layer with that sliding window computes."""
+    keys at distance ``< context`` (:func:`aah.windows.visible`) and renormalised: what a layer with
+    that sliding window computes."""
     if isinstance(context, bool) or not isinstance(context, int) or context < 1:
         raise ValueError(f"context must be a positive window, got {context!r}")
     keys = torch.arange(probs.shape[-1], device=probs.device)
-    visible = (positions.to(probs.device)[:, None] - keys[None, :]) < context
-    kept = probs * visible.to(probs.dtype)
+    kept = probs * visible(positions.to(probs.device)[:, None], keys, context).to(probs.dtype)
     return kept / kept.sum(-1, keepdim=True)
 
 
