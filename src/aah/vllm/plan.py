@@ -7,7 +7,7 @@ Pure Python and PyTorch (no vLLM import), so the rules are testable anywhere.
   (``i - j < W`` or ``j < S``), the convention of :mod:`aah.hf` (paper section 5.8, windowed
   execution at inference, with the sink tokens of the pretrained bridge).
 * A layer with its own sliding window keeps it: a head's window is ``min(W, layer window)``
-  and that layer keeps no sinks (the rule of ``aah.hf.patch``).
+  and that layer keeps no sinks (:func:`aah.windows.layer_rule`).
 * With tensor parallelism, rank ``r`` of ``tp`` holds query heads
   ``[r * H / tp, (r + 1) * H / tp)`` and KV heads ``[r * K / tp, (r + 1) * K / tp)`` (or, when
   ``K < tp``, the one KV head ``r * K // tp``, replicated), as vLLM's linear layers split them.
@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from ..windows import layer_rule
 
 __all__ = [
     "CONFIG_KEY", "ENV_VAR", "LayerPlan", "WindowClass", "plan_layer", "rank_heads",
@@ -92,11 +94,7 @@ def plan_layer(
     if any(w < 1 for w in row):
         raise ValueError(f"windows must be >= 1, got {row}")
     queries, kvs = rank_heads(len(row), num_kv_heads, tp_size, rank)
-    local = [row[h] for h in queries]
-    sinks = int(sink_tokens)
-    if layer_window is not None and layer_window > 0:
-        local = [min(w, int(layer_window)) for w in local]
-        sinks = 0
+    local, sinks = layer_rule([row[h] for h in queries], int(sink_tokens), layer_window)
     per_kv = len(local) // len(kvs)
     classes = []
     for kv in range(len(kvs)):
