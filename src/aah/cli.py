@@ -6,6 +6,7 @@ import argparse
 import importlib
 import sys
 
+from .cli_flags import FlagError
 from .errors import EXIT_USAGE, CLIError
 
 # Each module defines ``add_commands(subparsers)``; a sub-command sets ``func`` on its parser.
@@ -38,7 +39,11 @@ def one_line(message: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except FlagError as exc:  # a shared flag's bad value (aah.cli_flags)
+        print(f"{exc.prog}: {one_line(str(exc))}", file=sys.stderr)
+        return EXIT_USAGE
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
