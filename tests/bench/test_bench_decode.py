@@ -41,7 +41,7 @@ def _check_schema(result: dict, batch: int) -> None:
 
 
 def test_cli_json_schema_mha(capsys) -> None:
-    assert main(["bench", "decode", *SMALL, "--batch", "2", "--json"]) == 0
+    assert main(["bench", "decode", *SMALL, "--batch", "2", "--json", "-"]) == 0
     result = json.loads(capsys.readouterr().out)
     _check_schema(result, batch=2)
     config = result["config"]

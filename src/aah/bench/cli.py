@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 
+from ..cli_flags import add_json, add_seq_len, add_sink_tokens, add_windows, write_json
 from ..errors import CLIError
 from .attention import DTYPES, MIXES, bench_attention, format_table
 
@@ -57,7 +57,7 @@ def _add_attention(bench_sub: argparse._SubParsersAction) -> None:
             "are rounded by largest remainder."
         ),
     )
-    p.add_argument("--seq-len", type=int, default=4096, help="sequence length T (default 4096)")
+    add_seq_len(p)
     p.add_argument("--heads", type=int, default=8, help="query heads H (default 8)")
     p.add_argument("--kv-heads", type=int, default=None, help="KV heads (default: --heads)")
     p.add_argument("--head-dim", type=int, default=64, help="head dimension D (default 64)")
@@ -73,24 +73,15 @@ def _add_attention(bench_sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repeats", type=int, default=7, help="timed rounds (default 7)")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
     group = p.add_mutually_exclusive_group()
-    group.add_argument("--windows", default=None, help="comma-separated windows, one per head")
+    add_windows(p, into=group)
     group.add_argument("--mix", choices=list(MIXES), default=None, help="a paper window mix (default full_adaptive)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    p.add_argument(
-        "--sink-tokens", type=int, default=0,
-        help="first positions every windowed backend keeps visible (default 0)",
-    )
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    add_sink_tokens(p)
+    add_json(p)
     p.set_defaults(func=_run_attention)
 
 
 def _run_attention(args: argparse.Namespace) -> int:
-    windows = None
-    if args.windows is not None:
-        try:
-            windows = [int(w) for w in args.windows.split(",") if w.strip()]
-        except ValueError:
-            raise CLIError(f"attention: --windows must be comma-separated integers, got {args.windows!r}") from None
     backends = None
     if args.backends is not None:
         backends = [b.strip() for b in args.backends.split(",") if b.strip()]
@@ -107,7 +98,7 @@ def _run_attention(args: argparse.Namespace) -> int:
             backends=backends,
             backward=args.backward,
             repeats=args.repeats,
-            windows=windows,
+            windows=args.windows,
             mix=args.mix,
             warmup=args.warmup,
             device=args.device,
@@ -115,8 +106,7 @@ def _run_attention(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise CLIError(f"attention: {exc}") from None
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
+    if args.json != "-":
         print(format_table(result))
+    write_json(args.json, result)
     return 0

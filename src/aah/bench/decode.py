@@ -30,7 +30,6 @@ The JSON object (``--json``) is a stable schema:
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import statistics
 import sys
@@ -39,6 +38,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..cli_flags import add_json, add_new_tokens, add_seq_len, add_windows, write_json
 from ..controller import ControllerConfig
 from ..controller.selection import share_within_kv_groups
 from ..decode import ring_decode
@@ -311,15 +311,13 @@ def add_command(bench_subparsers) -> None:
         ),
     )
     p.add_argument("--context", type=int, default=3840, help="prompt length (default 3840)")
-    p.add_argument("--new-tokens", type=int, default=128, help="tokens decoded after the prompt (default 128)")
-    p.add_argument(
-        "--seq-len", type=int, default=None,
-        help="the model's maximum length T (default: context + new tokens rounded up to a power of two)",
-    )
+    add_new_tokens(p)
+    add_seq_len(p, default=None,
+                help="the model's maximum length T (default: context + new tokens rounded up to a power of two)")
     p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--mix", choices=list(MIXES), default=None, help="paper window mix (default full_adaptive)")
-    group.add_argument("--windows", default=None, help="comma-separated windows, one per query head")
+    add_windows(p, into=group)
     p.add_argument("--layers", type=int, default=4, help="default 4")
     p.add_argument("--d-model", type=int, default=256, help="default 256")
     p.add_argument("--heads", type=int, default=8, help="query heads (default 8)")
@@ -333,29 +331,25 @@ def add_command(bench_subparsers) -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds per model first (default 1)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    add_json(p)
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    windows = None
-    if args.windows is not None:
-        try:
-            windows = [int(w) for w in args.windows.split(",") if w.strip()]
-        except ValueError:
-            raise CLIError(f"--windows must be comma-separated integers, got {args.windows!r}") from None
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise CLIError("--device cuda: no CUDA device is available")
     try:
         result = bench_decode(
-            context=args.context, new_tokens=args.new_tokens, seq_len=args.seq_len, batch=args.batch, windows=windows,
+            context=args.context, new_tokens=args.new_tokens, seq_len=args.seq_len, batch=args.batch, windows=args.windows,
             mix=args.mix, layers=args.layers, d_model=args.d_model, heads=args.heads,
             kv_heads=args.kv_heads, granularity=args.granularity, dtype=args.dtype,
             repeats=args.repeats, warmup=args.warmup, device=args.device, threads=args.threads,
         )
     except ValueError as exc:
         raise CLIError(str(exc)) from None
-    print(json.dumps(result, indent=2) if args.json else format_table(result))
+    if args.json != "-":
+        print(format_table(result))
+    write_json(args.json, result)
     sys.stdout.flush()
     return 0
 

@@ -20,7 +20,6 @@ part (scores, lost mass, features, decision, commit, diagnostics).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -30,6 +29,7 @@ import torch
 
 from .. import regimes
 from ..backends.auto import auto_label
+from ..cli_flags import add_json, add_seq_len, add_windows, write_json
 from ..controller import ControllerConfig
 from ..model import GPT, GPTConfig
 from ..windows import acr, candidate_windows, causal_coverage
@@ -244,13 +244,13 @@ def add_command(bench_subparsers) -> None:
         description="Times forward+backward+AdamW steps of the small GPT with full attention and with "
                     "AAH windows pinned to a mix, interleaved in one process (medians).",
     )
-    p.add_argument("--seq-len", type=int, default=1024)
+    add_seq_len(p)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=None)
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--windows", default=None, help="comma-separated windows, one per head")
+    add_windows(p)
     p.add_argument("--mix", default="full_adaptive", help="paper window mix (see aah bench attention --help)")
     p.add_argument("--backend", default="auto")
     p.add_argument("--repeats", type=int, default=None,
@@ -260,28 +260,23 @@ def add_command(bench_subparsers) -> None:
                    help="regime whose controller runs live to measure its overhead (default full_adaptive)")
     p.add_argument("--no-controller", action="store_true", help="skip the live-controller model")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--json", action="store_true", help="print a JSON object")
+    add_json(p)
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        windows = tuple(int(w) for w in args.windows.split(",")) if args.windows else None
-    except ValueError:
-        print(f"aah bench train: --windows must be comma-separated integers, got {args.windows!r}", file=sys.stderr)
-        return 2
-    try:
         result = bench_train(
             seq_len=args.seq_len, layers=args.layers, d_model=args.d_model, heads=args.heads,
-            kv_heads=args.kv_heads, batch=args.batch, windows=windows, mix=args.mix,
+            kv_heads=args.kv_heads, batch=args.batch, windows=args.windows, mix=args.mix,
             backend=args.backend, repeats=args.repeats, device=args.device,
             regime=None if args.no_controller else args.regime,
         )
     except ValueError as exc:
         print(f"aah bench train: {exc}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps(result, indent=2))
+    write_json(args.json, result)
+    if args.json == "-":
         return 0
     r = result
     print(f"T={r['seq_len']} L={r['layers']} d={r['d_model']} H={r['heads']} B={r['batch']} "
