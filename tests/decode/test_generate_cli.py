@@ -55,7 +55,7 @@ def _expected(run: Path, step: int, prompt: str, n: int) -> str:
 
 
 def test_greedy_text_equals_generation_without_cache(run_dir: Path, capsys) -> None:
-    rc = main(_generate(run_dir, "--prompt", "To be, or", "--max-new-tokens", "12", "--temperature", "0"))
+    rc = main(_generate(run_dir, "--prompt", "To be, or", "--new-tokens", "12", "--temperature", "0"))
     assert rc == 0
     out, err = capsys.readouterr()
     assert out == _expected(run_dir, 6, "To be, or", 12) + "\n"  # newest checkpoint, prompt echoed
@@ -66,7 +66,7 @@ def test_greedy_text_equals_generation_without_cache(run_dir: Path, capsys) -> N
 
 
 def test_checkpoint_prompt_file_and_seeded_sampling(run_dir: Path, tmp_path: Path, capsys) -> None:
-    rc = main(_generate(run_dir, "--prompt", "ab", "--max-new-tokens", "5", "--temperature", "0", "--checkpoint", "3"))
+    rc = main(_generate(run_dir, "--prompt", "ab", "--new-tokens", "5", "--temperature", "0", "--checkpoint", "3"))
     assert rc == 0
     out, err = capsys.readouterr()
     assert out == _expected(run_dir, 3, "ab", 5) + "\n"
@@ -77,7 +77,7 @@ def test_checkpoint_prompt_file_and_seeded_sampling(run_dir: Path, tmp_path: Pat
     prompt.write_text("héllo", encoding="utf-8")
     runs = []
     for seed in ("1", "1", "2"):
-        args = ["--prompt-file", str(prompt), "--max-new-tokens", "20", "--seed", seed, "--top-k", "50", "--top-p", "0.9"]
+        args = ["--prompt-file", str(prompt), "--new-tokens", "20", "--seed", seed, "--top-k", "50", "--top-p", "0.9"]
         assert main(_generate(run_dir, *args)) == 0
         runs.append(capsys.readouterr().out)
     assert runs[0] == runs[1] != runs[2]
@@ -117,12 +117,12 @@ def test_every_bad_input_is_one_line_and_exit_2(run_dir: Path, tmp_path: Path, c
         (_generate(run_dir, "--prompt", "a", "--prompt-file", "x"), "exactly one of --prompt"),
         (_generate(run_dir, "--prompt-file", str(tmp_path / "missing.txt")), "no such file"),
         (_generate(run_dir, "--prompt", "x" * (SEQ_LEN + 1)), "longer than the model's length 32"),
-        (_generate(run_dir, "--prompt", "x" * 30, "--max-new-tokens", "4"), "at most 3 new tokens"),
+        (_generate(run_dir, "--prompt", "x" * 30, "--new-tokens", "4"), "at most 3 new tokens"),
         (_generate(run_dir, *p, "--checkpoint", "5"), "no checkpoint at step 5"),
         (_generate(run_dir, *p, "--checkpoint", "-1"), "--checkpoint"),
         (_generate(tmp_path, *p), "not a run folder"),
         (_generate(tmp_path / "nowhere", *p), "is not a folder"),
-        (_generate(run_dir, *p, "--max-new-tokens", "0"), "--max-new-tokens"),
+        (_generate(run_dir, *p, "--new-tokens", "0"), "--new-tokens"),
         (_generate(run_dir, *p, "--temperature", "-1"), "--temperature"),
         (_generate(run_dir, *p, "--top-k", "0"), "--top-k"),
         (_generate(run_dir, *p, "--top-p", "1.5"), "--top-p"),
@@ -135,7 +135,7 @@ def test_every_bad_input_is_one_line_and_exit_2(run_dir: Path, tmp_path: Path, c
     cases.append((_generate(run_dir, "--prompt-file", str(empty_file)), "the prompt is empty"))
     for argv, message in cases:
         assert message in _error(argv, capsys), argv
-    assert main(_generate(run_dir, "--prompt", "x" * 30, "--max-new-tokens", "3")) == 0  # the limit itself fits
+    assert main(_generate(run_dir, "--prompt", "x" * 30, "--new-tokens", "3")) == 0  # the limit itself fits
     capsys.readouterr()
 
 
@@ -173,7 +173,7 @@ def _damaged_copy(run_dir: Path, tmp_path: Path, step: int) -> Path:
 
 def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_good_one(run_dir: Path, tmp_path: Path, capsys) -> None:
     damaged = _damaged_copy(run_dir, tmp_path, 6)
-    rc = main(_generate(damaged, "--prompt", "To be", "--max-new-tokens", "6", "--temperature", "0"))
+    rc = main(_generate(damaged, "--prompt", "To be", "--new-tokens", "6", "--temperature", "0"))
     out, err = capsys.readouterr()
     assert rc == 0
     assert out == _expected(run_dir, 3, "To be", 6) + "\n"  # the weights of step 3, not the damaged 6
@@ -187,7 +187,7 @@ def test_a_named_damaged_checkpoint_is_an_error_not_a_fallback(run_dir: Path, tm
     damaged = _damaged_copy(run_dir, tmp_path, 6)
     line = _error(_generate(damaged, "--prompt", "hi", "--checkpoint", "6"), capsys)
     assert "checkpoint step 6" in line and "is bad" in line and "sha256" in line
-    assert main(_generate(damaged, "--prompt", "hi", "--max-new-tokens", "2", "--checkpoint", "3")) == 0
+    assert main(_generate(damaged, "--prompt", "hi", "--new-tokens", "2", "--checkpoint", "3")) == 0
     assert "skipping" not in capsys.readouterr().err
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ..cli_flags import add_new_tokens, refuse
 from ..errors import CLIError
 from . import ring_decode
 
@@ -45,7 +46,8 @@ def add_commands(subparsers) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="a run folder written by aah train")
     p.add_argument("--prompt", default=None, metavar="TEXT", help="the prompt (or --prompt-file)")
     p.add_argument("--prompt-file", default=None, metavar="F", help="read the prompt from a UTF-8 file")
-    p.add_argument("--max-new-tokens", type=int, default=200, metavar="N", help="tokens to generate (default 200)")
+    add_new_tokens(p)
+    refuse(p, "--max-new-tokens", "--max-new-tokens is now --new-tokens N")
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: smallest set with mass p, in (0, 1]")
@@ -74,8 +76,6 @@ def _prompt_text(args: argparse.Namespace) -> str:
 
 
 def _check_options(args: argparse.Namespace) -> None:
-    if args.max_new_tokens < 1:
-        raise CLIError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not args.temperature >= 0:
         raise CLIError(f"--temperature must be >= 0, got {args.temperature}")
     if args.top_k is not None and args.top_k < 1:
@@ -183,9 +183,9 @@ def run_generate(args: argparse.Namespace, out=None, err=None) -> dict:
     if len(ids) > limit:
         raise CLIError(f"the prompt is {len(ids)} tokens, longer than the model's length {limit}")
     fits = limit - len(ids) + 1  # the last new token is never fed back
-    if args.max_new_tokens > fits:
+    if args.new_tokens > fits:
         raise CLIError(
-            f"--max-new-tokens {args.max_new_tokens}: a prompt of {len(ids)} tokens leaves room for at most "
+            f"--new-tokens {args.new_tokens}: a prompt of {len(ids)} tokens leaves room for at most "
             f"{fits} new tokens (model length {limit})"
         )
     generator = torch.Generator().manual_seed(args.seed)
@@ -197,7 +197,7 @@ def run_generate(args: argparse.Namespace, out=None, err=None) -> dict:
     start = time.perf_counter()
     first = None
     for token in iter_tokens(
-        model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        model, prompt, args.new_tokens, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, generator=generator, cache_out=caches,
     ):
         if first is None:
