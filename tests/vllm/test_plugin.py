@@ -590,11 +590,12 @@ def test_vllm_serve_answers_a_completion_with_the_windows(tiny_setup):
 def test_bench_command_errors_are_one_line(tmp_path, capsys):
     from aah.vllm.bench import main as bench_main
 
-    assert bench_main([str(tmp_path), "--windows", str(tmp_path / "w.safetensors")]) == 2
+    (tmp_path / "w.safetensors").write_bytes(b"")
+    assert bench_main([str(tmp_path), "--windows-file", str(tmp_path / "w.safetensors")]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"aah bench vllm: {tmp_path} is not a model folder (no config.json)"
     (tmp_path / "config.json").write_text("{}")
-    assert bench_main([str(tmp_path), "--windows", str(tmp_path / "w.safetensors"), "--rounds", "0"]) == 2
+    assert bench_main([str(tmp_path), "--windows-file", str(tmp_path / "w.safetensors"), "--rounds", "0"]) == 2
     assert capsys.readouterr().err.strip() == "aah bench vllm: --rounds must be >= 1, got 0"
 
 
@@ -627,7 +628,7 @@ def test_bench_json_keys_and_speedups_from_the_engines_timings(tmp_path, monkeyp
 
     monkeypatch.setattr(bench.subprocess, "run", fake_runner)
     out = tmp_path / "bench.json"
-    argv = [str(tmp_path), "--windows", str(tmp_path / "w.safetensors"), "--seq-len", "64", "--new-tokens", "5",
+    argv = [str(tmp_path), "--windows-file", str(tmp_path / "w.safetensors"), "--seq-len", "64", "--new-tokens", "5",
             "--decode-batch", "2", "--rounds", "3", "--vllm-python", _sys.executable, "--json", str(out)]
     assert bench.main(argv) == 0
     report = json.loads(out.read_text())

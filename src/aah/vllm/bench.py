@@ -36,6 +36,14 @@ from typing import Any
 
 import torch
 
+from ..cli_flags import (
+    add_decode_batch,
+    add_json,
+    add_new_tokens,
+    add_seq_len,
+    add_windows_file,
+    write_json,
+)
 from ..errors import CLIError
 
 __all__ = ["add_command", "exactness", "main", "run", "vllm_python"]
@@ -52,16 +60,16 @@ def vllm_python(explicit: str | None = None) -> Path:
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", help="model folder (safetensors and config.json)")
-    p.add_argument("--windows", required=True, help="windows file made by `aah hf calibrate`")
-    p.add_argument("--seq-len", type=int, default=4096, help="prompt tokens (default 4096)")
-    p.add_argument("--new-tokens", type=int, default=32, help="generated tokens per decode round (default 32)")
-    p.add_argument("--decode-batch", type=int, default=4, help="prompts decoded together (default 4)")
+    add_windows_file(p)
+    add_seq_len(p)
+    add_new_tokens(p)
+    add_decode_batch(p)
     p.add_argument("--rounds", type=int, default=3, help="timed rounds of each kind (default 3)")
     p.add_argument("--kv-cache-gib", type=int, default=4, help="KV cache space of each engine in GiB (default 4)")
     p.add_argument("--vllm-python", default=None, help="interpreter of the vLLM environment (default .venv-vllm)")
     p.add_argument("--check", action="store_true",
                    help="also compare each engine's log-probabilities with transformers (aah.hf for the windows)")
-    p.add_argument("--json", default=None, help="write the results here as JSON")
+    add_json(p)
 
 
 def add_command(bench_sub: argparse._SubParsersAction) -> None:
@@ -72,13 +80,11 @@ def add_command(bench_sub: argparse._SubParsersAction) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name in ("seq_len", "new_tokens", "decode_batch", "rounds", "kv_cache_gib"):
+    for name in ("rounds", "kv_cache_gib"):
         if getattr(args, name) < 1:
             raise CLIError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not Path(args.model, "config.json").is_file():
         raise CLIError(f"{args.model} is not a model folder (no config.json)")
-    if not Path(args.windows).is_file():
-        raise CLIError(f"windows file not found: {args.windows}")
 
 
 def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -165,7 +171,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rounds = _engine_rounds(args, vocab)
     engines = [
         {"name": "vanilla", "windows": None, "engine_args": engine_args, "rounds": rounds, "kv_cache_gib": args.kv_cache_gib},
-        {"name": "aah", "windows": str(Path(args.windows).resolve()), "engine_args": engine_args, "rounds": rounds,
+        {"name": "aah", "windows": str(Path(args.windows_file).resolve()), "engine_args": engine_args, "rounds": rounds,
          "kv_cache_gib": args.kv_cache_gib},
     ]
     with tempfile.TemporaryDirectory() as tmp:
@@ -179,7 +185,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise CLIError(f"the vLLM run failed with exit status {done.returncode} (its log is above)")
         results = json.loads(out.read_text())
     report: dict[str, Any] = {
-        "config": {"model": str(args.model), "windows": str(args.windows), "seq_len": args.seq_len,
+        "config": {"model": str(args.model), "windows": args.windows_file, "seq_len": args.seq_len,
                    "new_tokens": args.new_tokens, "decode_batch": args.decode_batch, "rounds": args.rounds,
                    "dtype": "float32"},
     }
@@ -187,7 +193,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         report[name] = _summary(args, results[name])
     if args.check:
         prompt = rounds[-1]["prompts"][0]
-        report["exactness"] = exactness(args.model, args.windows, prompt,
+        report["exactness"] = exactness(args.model, args.windows_file, prompt,
                                         {name: results[name]["rounds"][-1][0] for name in ("vanilla", "aah")})
     report["prefill_speedup"] = report["aah"]["prefill_tok_s"] / report["vanilla"]["prefill_tok_s"]
     if report["aah"]["decode_tok_s"] and report["vanilla"]["decode_tok_s"]:
@@ -199,21 +205,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _cli(args: argparse.Namespace) -> int:
     report = run(args)
-    text = json.dumps(report, indent=2)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
-    print(text)
+    if args.json != "-":
+        print(json.dumps(report, indent=2))
+    write_json(args.json, report)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m aah.vllm.bench MODEL --windows FILE ...`` (the same as ``aah bench vllm``)."""
+    """``python -m aah.vllm.bench MODEL --windows-file FILE ...`` (the same as ``aah bench vllm``)."""
     parser = argparse.ArgumentParser(prog="aah bench vllm", description=__doc__.splitlines()[0])
     _add_arguments(parser)
-    args = parser.parse_args(argv)
     try:
-        return _cli(args)
-    except CLIError as exc:
+        return _cli(parser.parse_args(argv))
+    except CLIError as exc:  # FlagError too: its prog is this parser's
         print(f"aah bench vllm: {exc}", file=sys.stderr)
         return 2
 
