@@ -382,14 +382,14 @@ def test_bench_attention_validation_names_the_option():
 def test_bench_attention_cli(capsys):
     code = main(
         ["bench", "attention", "--seq-len", "64", "--heads", "4", "--head-dim", "8", "--repeats", "1",
-         "--warmup", "0", "--backends", "banded", "--windows", "8,8,16,64", "--device", "cpu", "--json"]
+         "--warmup", "0", "--backends", "banded", "--windows", "8,8,16,64", "--device", "cpu", "--json", "-"]
     )
     assert code == 0
     result = json.loads(capsys.readouterr().out)
     assert [r["backend"] for r in result["results"]] == ["sdpa", "banded"]
     assert result["config"]["windows"] == [8, 8, 16, 64]
     code = main(["bench", "attention", "--seq-len", "64", "--heads", "4", "--windows", "8,x", "--device", "cpu"])
-    assert code == 2 and "--windows must be comma-separated integers" in capsys.readouterr().err
+    assert code == 2 and "--windows takes a comma-separated list of positive ints" in capsys.readouterr().err
     code = main(["bench", "attention", "--seq-len", "64", "--heads", "4", "--windows", "8,8", "--device", "cpu"])
     assert code == 2 and "--windows needs 4 values" in capsys.readouterr().err
     with pytest.raises(SystemExit):

@@ -254,7 +254,10 @@ def bench_attention(
     keeps the first positions visible in every windowed backend.
     """
     seq_len = _check_positive(seq_len, "--seq-len")
-    sinks = check_sink_tokens(sink_tokens)
+    try:
+        sinks = check_sink_tokens(sink_tokens)
+    except ValueError:
+        raise ValueError(f"--sink-tokens must be an integer >= 0, got {sink_tokens!r}") from None
     heads = _check_positive(heads, "--heads")
     kv_heads = heads if kv_heads is None else _check_positive(kv_heads, "--kv-heads")
     if heads % kv_heads:
