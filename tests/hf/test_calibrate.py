@@ -302,7 +302,7 @@ def test_calibrate_then_eval_end_to_end(tiny_model_dir, tmp_path, capsys):
     assert windows.shape == (2, 4) and meta["policy"] == "aah_v3" and meta["sink_tokens"] == 2
     assert torch.equal(windows[:, 0::2], windows[:, 1::2])  # kv_group granularity by default
     report_path = tmp_path / "eval.json"
-    assert main(["hf", "eval", str(model_dir), "--windows", str(out), "--corpus", str(corpus), "--seq-len", "64",
+    assert main(["hf", "eval", str(model_dir), "--windows-file", str(out), "--corpus", str(corpus), "--seq-len", "64",
                  "--batches", "1", "--decode-batch", "2", "--new-tokens", "3", "--rounds", "1",
                  "--json", str(report_path)]) == 0
     report = json.loads(report_path.read_text())
@@ -340,7 +340,7 @@ def test_eval_takes_sink_tokens_and_kept_keys(tiny_model_dir, tmp_path, capsys):
     path = tmp_path / "w.safetensors"
     save_windows(path, windows, {"model": model_signature(_llama()), "seq_len": 64, "policy": "uniform",
                                  "budget": 0.5, "sink_tokens": 2, "acr": 0.1, "causal_coverage": 0.1})
-    base = ["hf", "eval", str(model_dir), "--windows", str(path), "--corpus", str(corpus), "--seq-len", "64",
+    base = ["hf", "eval", str(model_dir), "--windows-file", str(path), "--corpus", str(corpus), "--seq-len", "64",
             "--batches", "1", "--decode-batch", "2", "--new-tokens", "3", "--rounds", "1"]
     plain_path, kept_path = tmp_path / "plain.json", tmp_path / "kept.json"
     assert main([*base, "--sink-tokens", "3", "--json", str(plain_path)]) == 0
@@ -365,7 +365,7 @@ def test_eval_takes_sink_tokens_and_kept_keys(tiny_model_dir, tmp_path, capsys):
     assert "--kept-pool must be odd" in _error([*base, "--tail-tokens", "4", "--kept-keys", "6", "--kept-pool", "2"],
                                                capsys)
     assert "go together" in _error([*base, "--tail-tokens", "4"], capsys)
-    assert "--sink-tokens must be >= 0" in _error([*base, "--sink-tokens", "-1"], capsys)
+    assert "--sink-tokens takes an int >= 0" in _error([*base, "--sink-tokens", "-1"], capsys)
 
 
 def _error(argv, capsys) -> str:
@@ -397,9 +397,9 @@ def test_hf_command_errors_are_one_line(tiny_model_dir, tmp_path, capsys):
                                                "policy": "uniform", "budget": 0.5, "sink_tokens": 0, "acr": 0.1,
                                                "causal_coverage": 0.1})
     assert "calibrated for" in _error(
-        ["hf", "eval", str(model_dir), "--windows", str(other), *base, "--seq-len", "64"], capsys)
-    assert "windows file not found" in _error(
-        ["hf", "eval", str(model_dir), "--windows", str(tmp_path / "none"), *base, "--seq-len", "64"], capsys)
+        ["hf", "eval", str(model_dir), "--windows-file", str(other), *base, "--seq-len", "64"], capsys)
+    assert "--windows-file takes an existing windows file" in _error(
+        ["hf", "eval", str(model_dir), "--windows-file", str(tmp_path / "none"), *base, "--seq-len", "64"], capsys)
 
 
 def test_budgeted_calibrate_command_writes_policy_and_budget(tiny_model_dir, tmp_path, capsys):

@@ -517,11 +517,11 @@ def test_hf_commands_turn_bad_weights_and_windows_into_one_line(model_dir, tmp_p
     raw[raw.rindex(int(WINDOWS[1, 3]).to_bytes(8, "little")) + 5] = 0xE8
     flipped.write_bytes(bytes(raw))
     base = ["--corpus", str(corpus), "--seq-len", "32"]
-    assert "windows must lie in" in _one_line_error(["hf", "eval", str(model_dir), "--windows", str(flipped), *base],
+    assert "windows must lie in" in _one_line_error(["hf", "eval", str(model_dir), "--windows-file", str(flipped), *base],
                                                     capsys)
     negative = save_windows(tmp_path / "n.safetensors", WINDOWS, _meta(model, sink_tokens=-1))
     assert "sink_tokens must be" in _one_line_error(
-        ["hf", "eval", str(model_dir), "--windows", str(negative), *base], capsys)
+        ["hf", "eval", str(model_dir), "--windows-file", str(negative), *base], capsys)
     broken = tmp_path / "broken"
     broken.mkdir()
     for item in model_dir.iterdir():
@@ -530,7 +530,7 @@ def test_hf_commands_turn_bad_weights_and_windows_into_one_line(model_dir, tmp_p
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     good = save_windows(tmp_path / "g.safetensors", WINDOWS, _meta(model))
     assert "weights cannot be loaded" in _one_line_error(
-        ["hf", "eval", str(broken), "--windows", str(good), *base], capsys)
+        ["hf", "eval", str(broken), "--windows-file", str(good), *base, "--new-tokens", "4"], capsys)
     assert "weights cannot be loaded" in _one_line_error(
         ["hf", "calibrate", str(broken), *base, "--policy", "uniform", "--budget", "0.5", "--batches", "1",
          "--out", str(tmp_path / "o.safetensors")], capsys)

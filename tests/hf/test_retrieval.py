@@ -194,7 +194,7 @@ def model_dir(tmp_path_factory, tok):
 @pytest.mark.slow
 def test_retrieval_command_writes_json_and_heatmap(model_dir, tmp_path, capsys):
     out, png = tmp_path / "r.json", tmp_path / "r.png"
-    argv = ["hf", "retrieval", str(model_dir / "model"), "--windows", str(model_dir / "w.safetensors"),
+    argv = ["hf", "retrieval", str(model_dir / "model"), "--windows-file", str(model_dir / "w.safetensors"),
             "--tasks", "passkey,niah_single", "--lengths", "350,400", "--depths", "0.1,0.9", "--trials", "1",
             "--json", str(out), "--heatmap", str(png)]
     assert main(argv) == 0
@@ -231,7 +231,7 @@ def test_retrieval_answers_journal_resumes_a_stopped_run(model_dir, tmp_path, mo
     base = ["hf", "retrieval", str(model_dir / "model"), "--tasks", "passkey", "--lengths", "350",
             "--depths", "0.1,0.9", "--trials", "1", "--settings", "full,aah", "--answers", str(journal)]
     first, second = tmp_path / "a.json", tmp_path / "b.json"
-    assert main([*base, "--windows", str(model_dir / "w.safetensors"), "--json", str(first)]) == 0
+    assert main([*base, "--windows-file", str(model_dir / "w.safetensors"), "--json", str(first)]) == 0
     assert len(journal.read_text().splitlines()) == 4  # 2 samples x 2 settings, written as they came
     # a crash mid-write leaves a cut line; the run after it decodes nothing again
     with journal.open("a") as fh:
@@ -241,7 +241,7 @@ def test_retrieval_answers_journal_resumes_a_stopped_run(model_dir, tmp_path, mo
         raise AssertionError("an answer in the journal was decoded again")
 
     monkeypatch.setattr(retrieval_eval, "generate_answers", no_decoding)
-    assert main([*base, "--windows", str(model_dir / "w.safetensors"), "--json", str(second)]) == 0
+    assert main([*base, "--windows-file", str(model_dir / "w.safetensors"), "--json", str(second)]) == 0
     a, b = json.loads(first.read_text()), json.loads(second.read_text())
     assert a["results"] == b["results"] and a["samples"] == b["samples"]
     # other windows are another run for the windowed settings: their answers are decoded again;
@@ -250,14 +250,14 @@ def test_retrieval_answers_journal_resumes_a_stopped_run(model_dir, tmp_path, mo
     windows, meta = load_windows(model_dir / "w.safetensors")
     save_windows(other, windows.clamp(max=40), meta)
     full_only = [a if a != "full,aah" else "full" for a in base]
-    assert main([*full_only, "--windows", str(other), "--json", str(second)]) == 0
+    assert main([*full_only, "--windows-file", str(other), "--json", str(second)]) == 0
     assert json.loads(second.read_text())["results"]["full"] == a["results"]["full"]
     with pytest.raises(AssertionError, match="decoded again"):
-        main([*base, "--windows", str(other)])
+        main([*base, "--windows-file", str(other)])
     # --sink-tokens as in the file is the same run; other sinks are another
-    assert main([*base, "--windows", str(model_dir / "w.safetensors"), "--sink-tokens", "4"]) == 0
+    assert main([*base, "--windows-file", str(model_dir / "w.safetensors"), "--sink-tokens", "4"]) == 0
     with pytest.raises(AssertionError, match="decoded again"):
-        main([*base, "--windows", str(model_dir / "w.safetensors"), "--sink-tokens", "64"])
+        main([*base, "--windows-file", str(model_dir / "w.safetensors"), "--sink-tokens", "64"])
     capsys.readouterr()
 
 
@@ -265,7 +265,7 @@ def test_retrieval_sink_tokens_override_the_windows_file(model_dir, tmp_path, ca
     """More sinks keep the prompt's first tokens in every head's reach: the settings run them, the
     report says so, and their causal coverage is that of the windows with those sinks."""
     out = tmp_path / "r.json"
-    argv = ["hf", "retrieval", str(model_dir / "model"), "--windows", str(model_dir / "w.safetensors"),
+    argv = ["hf", "retrieval", str(model_dir / "model"), "--windows-file", str(model_dir / "w.safetensors"),
             "--lengths", "400", "--depths", "0.5", "--trials", "1", "--settings", "aah", "--json", str(out)]
     assert main(argv) == 0
     four = json.loads(out.read_text())
@@ -289,7 +289,7 @@ def test_retrieval_kept_keys_are_reported_and_are_another_run(model_dir, tmp_pat
     from aah.hf.evaluation import retrieval as retrieval_eval
 
     out, journal = tmp_path / "r.json", tmp_path / "answers.jsonl"
-    argv = ["hf", "retrieval", str(model_dir / "model"), "--windows", str(model_dir / "w.safetensors"),
+    argv = ["hf", "retrieval", str(model_dir / "model"), "--windows-file", str(model_dir / "w.safetensors"),
             "--lengths", "400", "--depths", "0.5", "--trials", "1", "--settings", "aah,uniform",
             "--json", str(out), "--answers", str(journal)]
     assert main(argv) == 0
@@ -326,7 +326,7 @@ def test_retrieval_rolling_kept_keys_are_reported(model_dir, tmp_path, capsys):
     from aah.hf.bridge.spec import kv_heads, layer_windows_for
 
     out = tmp_path / "r.json"
-    argv = ["hf", "retrieval", str(model_dir / "model"), "--windows", str(model_dir / "w.safetensors"),
+    argv = ["hf", "retrieval", str(model_dir / "model"), "--windows-file", str(model_dir / "w.safetensors"),
             "--lengths", "400", "--depths", "0.5", "--trials", "1", "--settings", "aah",
             "--tail-tokens", "8", "--kept-keys", "16", "--json", str(out)]
     assert main([*argv, "--prefill-kept", "4", "--prefill-block", "64"]) == 0
@@ -352,14 +352,14 @@ def _error(argv, capsys) -> str:
 
 
 def test_retrieval_command_refuses_bad_input(model_dir, capsys):
-    base = ["hf", "retrieval", str(model_dir / "model"), "--windows", str(model_dir / "w.safetensors")]
+    base = ["hf", "retrieval", str(model_dir / "model"), "--windows-file", str(model_dir / "w.safetensors")]
     assert "--tasks must be distinct names among passkey" in _error([*base, "--lengths", "400", "--tasks", "pk"],
                                                                      capsys)
     assert "--depths must be" in _error([*base, "--lengths", "400", "--depths", "0.5,1.5"], capsys)
     assert "--lengths must be" in _error([*base, "--lengths", "400,x"], capsys)
     assert "--settings must be" in _error([*base, "--lengths", "400", "--settings", "full,best"], capsys)
     assert "--trials must be >= 1" in _error([*base, "--lengths", "400", "--trials", "0"], capsys)
-    assert "--sink-tokens must be >= 0" in _error([*base, "--lengths", "400", "--sink-tokens", "-1"], capsys)
+    assert "--sink-tokens takes an int >= 0" in _error([*base, "--lengths", "400", "--sink-tokens", "-1"], capsys)
     assert "go together" in _error([*base, "--lengths", "400", "--kept-keys", "16"], capsys)
     assert "--kept-pool needs" in _error([*base, "--lengths", "400", "--kept-pool", "3"], capsys)
     assert "--prefill-kept needs --tail-tokens and --kept-keys" in _error(
@@ -375,4 +375,5 @@ def test_retrieval_command_refuses_bad_input(model_dir, capsys):
                                                 "--kept-pool", "4"], capsys)
     assert "max_position_embeddings" in _error([*base, "--lengths", "4096"], capsys)
     assert "cannot hold" in _error([*base, "--lengths", "60"], capsys)
-    assert "windows file not found" in _error([*base[:-1], "nope.safetensors", "--lengths", "400"], capsys)
+    assert "--windows-file takes an existing windows file" in _error(
+        [*base[:-1], "nope.safetensors", "--lengths", "400"], capsys)

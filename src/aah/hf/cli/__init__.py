@@ -7,6 +7,14 @@ attention, the calibrated windows and one uniform window at the same causal cove
 
 from __future__ import annotations
 
+from ...cli_flags import (
+    add_decode_batch,
+    add_json,
+    add_new_tokens,
+    add_seq_len,
+    add_sink_tokens,
+    add_windows_file,
+)
 from .calibrate import calibrate_command
 from .evaluate import evaluate_command
 from .models import convert_command
@@ -44,7 +52,7 @@ def add_commands(subparsers) -> None:
     )
     calibrate.add_argument("model_dir", metavar="MODEL_DIR")
     calibrate.add_argument("--corpus", default="shakespeare", help=CORPUS_HELP)
-    calibrate.add_argument("--seq-len", type=int, required=True)
+    add_seq_len(calibrate)
     calibrate.add_argument("--policy", required=True, help="aah_v3, uniform or budgeted")
     calibrate.add_argument("--budget", type=float, help="target causal coverage in (0, 1] (uniform, budgeted)")
     calibrate.add_argument("--scope", default="layer",
@@ -64,7 +72,7 @@ def add_commands(subparsers) -> None:
                                 "model (default 0: no repair)")
     calibrate.add_argument("--repair-rounds", type=int, default=3,
                            help="kl_retrieval with --retrieval-reserve: measurement rounds of the repair (default 3)")
-    calibrate.add_argument("--sink-tokens", type=int, default=4)
+    add_sink_tokens(calibrate)
     calibrate.add_argument("--batches", type=int, default=4, help="calibration blocks (default 4)")
     calibrate.add_argument("--granularity", default="kv_group", help="kv_group (default) or head")
     calibrate.add_argument("--seed", type=int, default=0)
@@ -80,19 +88,19 @@ def add_commands(subparsers) -> None:
         help="perplexity, prefill/decode speed and KV bytes: full vs AAH vs uniform windows",
         description=(
             "Held-out perplexity (the corpus's val split) for full attention, the windows in "
-            "--windows, and one uniform window at the same causal coverage; prefill and decode "
+            "--windows-file, and one uniform window at the same causal coverage; prefill and decode "
             "tokens/s against transformers' own SDPA path and cache; KV bytes."
         ),
     )
     evaluate.add_argument("model_dir", metavar="MODEL_DIR")
-    evaluate.add_argument("--windows", required=True, metavar="FILE")
+    add_windows_file(evaluate)
     evaluate.add_argument("--corpus", default="shakespeare", help=CORPUS_HELP)
-    evaluate.add_argument("--seq-len", type=int, required=True)
+    add_seq_len(evaluate)
     evaluate.add_argument("--batches", type=int, default=2, help="held-out blocks (default 2)")
-    evaluate.add_argument("--decode-batch", type=int, default=8)
-    evaluate.add_argument("--new-tokens", type=int, default=16, help="decode steps timed (default 16)")
+    add_decode_batch(evaluate)
+    add_new_tokens(evaluate)
     evaluate.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (default 3)")
-    evaluate.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-' for stdout)")
+    add_json(evaluate)
     add_setting_flags(evaluate)
     evaluate.set_defaults(func=evaluate_command)
 

@@ -67,8 +67,6 @@ def calibrate_command(args: argparse.Namespace) -> int:
             check_choice(f"--{flag}", getattr(args, flag), allowed)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
-    if args.sink_tokens < 0:
-        raise CLIError(f"--sink-tokens must be >= 0, got {args.sink_tokens}")
     candidates = _parse_candidates(args.candidates, args.seq_len)
     retrieval_flags = args.policy == "budgeted" and args.measure == "kl_retrieval"
     if retrieval_flags and args.retrieval_sequences < 1:

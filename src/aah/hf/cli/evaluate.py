@@ -4,10 +4,8 @@ of a file and one uniform window at the same causal coverage."""
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from pathlib import Path
 
+from ...cli_flags import write_json
 from ...errors import CLIError
 from .models import load_model_folder, token_blocks_of
 from .setting_flags import kept_keys_config, setting_flags
@@ -25,17 +23,16 @@ def evaluate_command(args: argparse.Namespace) -> int:
         uniform_setting,
     )
 
-    for name in ("decode_batch", "new_tokens", "rounds"):
-        if getattr(args, name) < 1:
-            raise CLIError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.rounds < 1:
+        raise CLIError(f"--rounds must be >= 1, got {args.rounds}")
     sink_tokens, kept = setting_flags(args)
     try:
-        windows, meta = load_windows(args.windows)
+        windows, meta = load_windows(args.windows_file)
     except (FileNotFoundError, ValueError) as exc:
         raise CLIError(str(exc)) from None
     config, tokenizer, load_model = load_model_folder(args.model_dir, args.seq_len)
     try:
-        check_windows_for(config, windows, meta, args.windows)
+        check_windows_for(config, windows, meta, args.windows_file)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     if args.new_tokens >= args.seq_len:
@@ -51,25 +48,22 @@ def evaluate_command(args: argparse.Namespace) -> int:
         "config": {
             "model": meta["model"], "seq_len": args.seq_len, "corpus": args.corpus, "batches": args.batches,
             "decode_batch": args.decode_batch, "new_tokens": args.new_tokens, "rounds": args.rounds,
-            "windows_file": str(args.windows), "policy": meta["policy"], "sink_tokens": aah.sink_tokens,
+            "windows_file": args.windows_file, "policy": meta["policy"], "sink_tokens": aah.sink_tokens,
             "uniform_window": int(settings[2].windows[0, 0]),
             **kept_keys_config(kept),
         },
         **results,
         **summary(results),
     }
-    print(markdown_table(results))
-    print(
-        f"ppl ratio {report['ppl_ratio']:.4f}, prefill x{report['prefill_speedup']:.2f}, "
-        f"decode x{report['decode_speedup']:.2f} (batch {args.decode_batch}), "
-        f"KV bytes ratio {report['kv_bytes_ratio']:.3f} (ACR {results['aah']['acr']:.3f})"
-    )
-    if kept is not None:
-        print("kept keys count in ACR, KV bytes and speeds; the perplexity reads each block without a cache "
-              "(the windows alone)")
-    if args.json == "-":
-        json.dump(report, sys.stdout, indent=2)
-        print()
-    elif args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    if args.json != "-":
+        print(markdown_table(results))
+        print(
+            f"ppl ratio {report['ppl_ratio']:.4f}, prefill x{report['prefill_speedup']:.2f}, "
+            f"decode x{report['decode_speedup']:.2f} (batch {args.decode_batch}), "
+            f"KV bytes ratio {report['kv_bytes_ratio']:.3f} (ACR {results['aah']['acr']:.3f})"
+        )
+        if kept is not None:
+            print("kept keys count in ACR, KV bytes and speeds; the perplexity reads each block without a cache "
+                  "(the windows alone)")
+    write_json(args.json, report)
     return 0

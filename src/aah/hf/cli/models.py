@@ -51,7 +51,7 @@ def load_model_folder(model_dir: str, seq_len: int):
     if type(config) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
         raise CLIError(f"{folder} holds a {config.model_type} model, which is not a causal LM")
     limit = getattr(config, "max_position_embeddings", None)
-    if seq_len < 2 or (limit is not None and seq_len > limit):
+    if limit is not None and seq_len > limit:
         raise CLIError(f"--seq-len {seq_len} must be in [2, {limit}] (max_position_embeddings of the model)")
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
-import sys
 from pathlib import Path
 
+from ...cli_flags import add_json, add_windows_file, write_json
 from ...errors import CLIError
 from .models import load_model_folder
 from .setting_flags import add_setting_flags, kept_keys_config, setting_flags
@@ -28,11 +27,11 @@ def add_command(subparsers) -> None:
             "Synthetic retrieval tasks generated offline from --seed at each --lengths (tokens of the "
             "model's tokenizer, prompt plus answer) and needle depth; greedy answers, exact match. Reports "
             "accuracy with Wilson 95% intervals overall, by length and by depth, for full attention, the "
-            "windows in --windows and one uniform window at their causal coverage at each length."
+            "windows in --windows-file and one uniform window at their causal coverage at each length."
         ),
     )
     p.add_argument("model_dir", metavar="MODEL_DIR")
-    p.add_argument("--windows", required=True, metavar="FILE", help="windows file of aah hf calibrate")
+    add_windows_file(p)
     p.add_argument("--tasks", default="passkey", metavar="T1,T2,...",
                    help="passkey, niah_single, niah_multikey, niah_multivalue, niah_text, vt (default passkey)")
     p.add_argument("--lengths", required=True, metavar="N1,N2,...", help="context lengths in tokens")
@@ -42,7 +41,7 @@ def add_command(subparsers) -> None:
     p.add_argument("--settings", default=",".join(SETTINGS), metavar="S1,S2,...",
                    help="which of full, aah, uniform to run (default all three)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="FILE", help="also write the results as JSON ('-' for stdout)")
+    add_json(p)
     p.add_argument("--heatmap", metavar="FILE", help="depth x length accuracy heatmaps (PNG)")
     add_setting_flags(p)
     p.add_argument("--answers", metavar="FILE",
@@ -92,7 +91,7 @@ def _retrieval(args: argparse.Namespace) -> int:
     from ..evaluation.tasks import build_samples
 
     try:
-        windows, meta = load_windows(args.windows)
+        windows, meta = load_windows(args.windows_file)
     except (FileNotFoundError, ValueError) as exc:
         raise CLIError(str(exc)) from None
     config, tokenizer, load_model = load_model_folder(args.model_dir, 2)
@@ -100,15 +99,15 @@ def _retrieval(args: argparse.Namespace) -> int:
     if limit is not None and max(lengths) > limit:
         raise CLIError(f"--lengths must be at most {limit} (max_position_embeddings of the model), got {max(lengths)}")
     try:
-        check_windows_for(config, windows, meta, args.windows)
+        check_windows_for(config, windows, meta, args.windows_file)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     try:
         samples = build_samples(tokenizer, tasks, lengths, depths, args.trials, seed=args.seed)
     except ValueError as exc:
         raise CLIError(f"--lengths: {exc}") from None
-    for path in (args.json, args.heatmap, args.answers):
-        if path and path != "-" and not Path(path).parent.is_dir():
+    for path in (args.heatmap, args.answers):
+        if path and not Path(path).parent.is_dir():
             raise CLIError(f"cannot write {path}: no folder {Path(path).parent}")
     model = load_model()
     file_sinks = int(meta["sink_tokens"])
@@ -122,7 +121,7 @@ def _retrieval(args: argparse.Namespace) -> int:
             override += f"|tail{kept.tail_tokens}|kept{kept.keys_per_head}|pool{kept.pool_width}".encode()
             if kept.prefill_keys:
                 override += f"|roll{kept.prefill_keys}/{kept.prefill_block}".encode()
-        windows_tag = hashlib.sha256(Path(args.windows).read_bytes() + override).hexdigest()[:16]
+        windows_tag = hashlib.sha256(Path(args.windows_file).read_bytes() + override).hexdigest()[:16]
         journal = AnswerJournal(args.answers, model_tag, windows_tag)
     outputs: dict[str, list[str]] = {name: [] for name in wanted}
     facts: dict[str, dict[str, dict]] = {name: {} for name in wanted}
@@ -140,7 +139,7 @@ def _retrieval(args: argparse.Namespace) -> int:
     results = score(ordered, outputs)
     report = {
         "config": {
-            "model": meta["model"], "windows_file": str(args.windows), "policy": meta["policy"],
+            "model": meta["model"], "windows_file": args.windows_file, "policy": meta["policy"],
             "sink_tokens": aah.sink_tokens, "tasks": tasks, "lengths": lengths, "depths": depths,
             "trials": args.trials, "seed": args.seed, "settings": wanted,
             **kept_keys_config(kept),
@@ -154,12 +153,9 @@ def _retrieval(args: argparse.Namespace) -> int:
             for i, s in enumerate(ordered)
         ],
     }
-    print(_table(results, facts, lengths))
-    if args.json == "-":
-        json.dump(report, sys.stdout, indent=2)
-        print()
-    elif args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    if args.json != "-":
+        print(_table(results, facts, lengths))
+    write_json(args.json, report)
     if args.heatmap:
         draw_heatmaps(results, args.heatmap)
     return 0

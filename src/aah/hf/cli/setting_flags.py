@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from ...cli_flags import add_sink_tokens
 from ...errors import CLIError
 
 __all__ = ["add_setting_flags", "kept_keys_config", "setting_flags"]
@@ -13,9 +14,9 @@ __all__ = ["add_setting_flags", "kept_keys_config", "setting_flags"]
 def add_setting_flags(parser: argparse.ArgumentParser) -> None:
     """Add ``--sink-tokens``, ``--tail-tokens``, ``--kept-keys``, ``--kept-pool``, ``--prefill-kept``
     and ``--prefill-block``."""
-    parser.add_argument("--sink-tokens", type=int, metavar="N",
-                        help="sink tokens of the aah and uniform settings instead of the windows file's: the first "
-                             "N prompt tokens stay visible to every head (for example a task instruction at the start)")
+    add_sink_tokens(parser, default=None,
+                    help="sink tokens of the aah and uniform settings instead of the windows file's: the first "
+                         "N prompt tokens stay visible to every head (for example a task instruction at the start)")
     parser.add_argument("--tail-tokens", type=int, metavar="N",
                         help="with --kept-keys: the last N prompt tokens of the aah and uniform settings read every "
                              "earlier key (ours, docs/hf.md 'Kept keys')")
@@ -35,8 +36,6 @@ def add_setting_flags(parser: argparse.ArgumentParser) -> None:
 def setting_flags(args: argparse.Namespace):
     """``(sink_tokens, kept_keys)`` of the flags, checked: ``--sink-tokens`` (None: the windows
     file's) and the :class:`aah.hf.bridge.kept_keys.KeptKeys` (None without kept keys)."""
-    if args.sink_tokens is not None and args.sink_tokens < 0:
-        raise CLIError(f"--sink-tokens must be >= 0, got {args.sink_tokens}")
     return args.sink_tokens, _kept_keys(args)
 
 
