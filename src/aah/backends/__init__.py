@@ -2,8 +2,8 @@
 
 Every backend computes the same function, local causal attention with one
 window per head (:mod:`aah.windows`), optionally with sink tokens (the first
-``S`` keys stay visible; :mod:`aah.backends.sinks`), and is tested against
-``dense``.
+``S`` keys stay visible; :mod:`aah.backends.sinks`), and is tested forward and backward against
+the float64 reference masked by :func:`aah.windows.visible`.
 Backends register themselves with :func:`register_backend`; callers only name
 them, so new backends need no change anywhere else.
 """

@@ -7,7 +7,8 @@ dimension, the batch and the windows. The first time a shape is seen, this
 backend times every exact backend that can run it (a short interleaved
 timing: one warm-up, then the median of a few rounds) and keeps the fastest.
 The choice is cached in memory and on disk, so a machine calibrates a shape
-once.
+once. Geometry: that of the backend it picks; every candidate computes the rule of
+:func:`aah.windows.visible` exactly.
 
 * Candidates: ``strips`` and ``banded`` on CPU; ``flash``, ``flex`` and
   ``banded`` on CUDA; plus ``sdpa`` when every window covers the sequence.

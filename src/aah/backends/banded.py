@@ -5,6 +5,9 @@ that selected the same window span run together under one causal local mask)
 turned into a backend that really skips work (section 7.7: backend-realized
 local attention). Plain PyTorch: it runs on CPU and GPU and supports autograd.
 
+Geometry: the band ``i - W < j <= i`` per window group in query blocks of ``block`` rows (edges
+masked by :func:`aah.windows.visible`), plus the sinks ``j < S'``, ``j <= i - W``.
+
 How it works
 ------------
 * Heads are grouped by window. Heads whose window covers the whole sequence
@@ -63,6 +66,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..windows import visible
 from .base import AttentionBackend
 from .sdpa import causal_sdpa
 from .sinks import merge_sinks, sink_backward, sink_span
@@ -188,13 +192,12 @@ def _strip_mask(
     dtype: torch.dtype, device: torch.device,
 ) -> torch.Tensor:
     """Additive mask (0 or -inf), shape (count, repeat * rows, width), of a strip whose first
-    column is at distance ``first + i * shift + ii`` from row ``ii`` of entry ``i``."""
+    column is at distance ``first + i * shift + ii`` from row ``ii`` of entry ``i`` (:func:`aah.windows.visible`)."""
     ii = torch.arange(rows, device=device)[None, :, None]
     jj = torch.arange(width, device=device)[None, None, :]
-    base = first + torch.arange(count, device=device)[:, None, None] * shift
-    dist = base + ii - jj
+    q_pos = first + torch.arange(count, device=device)[:, None, None] * shift + ii
     mask = torch.zeros(count, rows, width, dtype=dtype, device=device)
-    mask.masked_fill_((dist < 0) | (dist >= window), float("-inf"))
+    mask.masked_fill_(~visible(q_pos, jj, window), float("-inf"))
     return mask.repeat(1, repeat, 1) if repeat > 1 else mask
 
 
@@ -411,7 +414,7 @@ class _BandedAttention(torch.autograd.Function):
                 tail = slice(window, t)
                 dq_s, dk_s, dv_s = sink_backward(
                     q_u[:, tail], k_u[:sinks], v_u[:sinks], scale, out[u][:, tail], lse[u][:, tail, 0],
-                    grad_out[u][:, tail],
+                    grad_out[u][:, tail], window=window,
                 )
                 dq_u[:, tail] += dq_s.to(dq_u.dtype)
                 dk_u[:sinks] += dk_s.sum(0).to(acc_dtype)
@@ -448,7 +451,7 @@ def _merge_unit_sinks(
     and keep the band's share ``e^(L_w - L)`` of each row in ``share_u``."""
     tail = slice(window, q_u.shape[1])
     lse_w = lse_u[:, tail, 0]
-    out, lse = merge_sinks(q_u[:, tail], k_u[:sinks], v_u[:sinks], scale, o_u[:, tail], lse_w)
+    out, lse = merge_sinks(q_u[:, tail], k_u[:sinks], v_u[:sinks], scale, o_u[:, tail], lse_w, window=window)
     o_u[:, tail] = out
     share_u[:, tail, 0] = torch.exp(lse_w - lse)
     lse_u[:, tail, 0] = lse

@@ -1,9 +1,8 @@
 """``dense``: the paper's dense-masked path (section 5.8), the reference semantics.
 
-Full ``T x T`` scores for every head, a per-head band mask, softmax, values.
-It computes (and reports) the whole square of scores whatever the windows:
-the correctness reference, never the fast path. Sink tokens are part of the
-mask (:func:`aah.windows.band_mask`).
+Geometry: the whole ``T x T`` square of scores for every head, masked by :func:`aah.windows.band_mask`
+(the band ``i - W < j <= i`` plus the sinks ``j < S``, per head), softmax, values. It computes (and
+reports) the whole square whatever the windows: the correctness reference, never the fast path.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 The FlashAttention path of the AAH-v3 paper (section 7.7, backend-realized
 local attention): each selected-window bucket runs
-``flash_attn_func(..., causal=True, window_size=(W - 1, 0))``, i.e. keys
-``i - (W - 1) <= j <= i``, exactly the ``W`` keys of :mod:`aah.windows`; heads
+``flash_attn_func(..., causal=True, window_size=(W - 1, 0))``. Geometry: keys
+``i - (W - 1) <= j <= i``, exactly the ``W`` keys of :func:`aah.windows.visible`; heads
 whose window covers the sequence run with ``window_size=(-1, -1)`` (plain
 causal). Heads that share a window are gathered into one call (the grouped
 execution of section 5.8) and the outputs are scattered back to head order.
@@ -136,6 +136,7 @@ def _with_sinks(q, k, v, out_t, lse, window, span, scale):
     k_sink = k[:, :, :span].repeat_interleave(repeat, dim=1)
     v_sink = v[:, :, :span].repeat_interleave(repeat, dim=1)
     out = out_t.transpose(1, 2)
-    merged, _ = merge_sinks(q[:, :, window:], k_sink, v_sink, scale, out[:, :, window:], lse[:, :, window:])
+    tail = slice(window, None)
+    merged, _ = merge_sinks(q[:, :, tail], k_sink, v_sink, scale, out[:, :, tail], lse[:, :, tail], window=window)
     return torch.cat([out[:, :, :window], merged], dim=2)
 

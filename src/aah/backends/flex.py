@@ -1,8 +1,8 @@
 """``flex``: per-head local windows through PyTorch FlexAttention with one block mask.
 
 Backend-realized local attention in the sense of the AAH-v3 paper (section
-7.7): the window rule, :func:`aah.windows.visible` (``kv <= q and kv > q - W[h]``), is a
-FlexAttention ``mask_mod`` that looks the window up by head index, so ONE block mask and ONE
+7.7). Geometry: :func:`aah.windows.visible` (``kv <= q and kv > q - W[h]``) per head, in
+128 x 128 tiles; the rule is a FlexAttention ``mask_mod`` that looks the window up by head index, so ONE block mask and ONE
 compiled kernel serve all heads, whatever mix of windows the controller chose
 (the grouped execution of section 5.8 without splitting the heads).
 

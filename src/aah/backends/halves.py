@@ -17,7 +17,8 @@ A causal head of length ``T = 2h`` is exactly
   its queries cut into two heads of ``h / 2`` rows that read the same keys (a
   stride-0 view, no copy).
 
-Every call then has an even number of equal items. The two parts of the rows
+Geometry: plain causality ``j <= i`` (a head whose window covers the sequence) as two triangles
+and one square. Every call then has an even number of equal items. The two parts of the rows
 ``[h, 2h)`` are merged by their log-sum-exps, and each part's backward runs
 with the merged output and log-sum-exp, which gives exactly that part's share
 of the gradients (the rule :mod:`aah.backends.sinks` uses too). The parts

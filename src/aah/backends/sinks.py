@@ -2,14 +2,14 @@
 
 With ``S`` sink tokens (:mod:`aah.windows`) query ``i`` of a head with window
 ``W`` attends keys ``i - W < j <= i`` and also ``j < S, j <= i``. The window
-part is what every backend already computes; the sinks that lie outside the
-window form a small extra key block:
+part is what every backend already computes. Geometry here: the sinks that lie
+outside the window, a small extra key block:
 
 * only queries ``i >= W`` can see a sink outside their window (before that the
   window reaches key 0), and only sinks ``j < min(S, T - W)`` matter
   (:func:`sink_span`);
 * query ``i`` sees extra sink ``j`` when ``j <= i - W``: exactly the sinks the
-  window misses, so no key is counted twice.
+  window misses (:func:`aah.windows.cut_off`), so no key is counted twice.
 
 The two parts are merged flash style. The forward keeps the window part's
 output ``O_w`` and log-sum-exp ``L_w``, computes the sink part's ``O_s`` and
@@ -25,6 +25,8 @@ window kernels' own backward passes serve unchanged.
 from __future__ import annotations
 
 import torch
+
+from ..windows import cut_off
 
 __all__ = ["merge_sinks", "sink_backward", "sink_span"]
 
@@ -42,13 +44,13 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in _LOW_PRECISION else dtype
 
 
-def _sink_scores(q_tail: torch.Tensor, k_sink: torch.Tensor, scale: float) -> torch.Tensor:
-    """Masked scores (..., R, S') of query rows ``W + r`` against sinks ``j``: visible when ``j <= r``."""
+def _sink_scores(q_tail: torch.Tensor, k_sink: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+    """Masked scores (..., R, S') of queries ``W + r`` against the sinks ``j`` their window cuts off."""
     dtype = _compute_dtype(q_tail.dtype)
     scores = torch.matmul(q_tail.to(dtype), k_sink.to(dtype).transpose(-1, -2)) * scale
-    rows, span = scores.shape[-2], scores.shape[-1]
-    hidden = torch.ones(rows, span, dtype=torch.bool, device=scores.device).triu_(1)  # j > r
-    return scores.masked_fill_(hidden, float("-inf"))
+    q_pos = torch.arange(window, window + scores.shape[-2], device=scores.device)[:, None]
+    missed = cut_off(q_pos, torch.arange(scores.shape[-1], device=scores.device), window)
+    return scores.masked_fill_(~missed, float("-inf"))
 
 
 def merge_sinks(
@@ -58,17 +60,18 @@ def merge_sinks(
     scale: float,
     out_w: torch.Tensor,
     lse_w: torch.Tensor,
+    window: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Window output and log-sum-exp of queries ``[W, T)`` merged with their sink part.
 
-    ``q_tail`` (..., R, D) holds queries ``W, W + 1, ...``; ``k_sink``, ``v_sink``
+    ``q_tail`` (..., R, D) holds queries ``W, W + 1, ...`` (``W = window``); ``k_sink``, ``v_sink``
     (..., S', D) the sink keys (broadcast over the leading dims); ``out_w``
     (..., R, D) and ``lse_w`` (..., R) the window part of those rows. Returns the
     merged ``(out, lse)``, ``out`` in the dtype of ``out_w``, ``lse`` in the
     dtype of ``lse_w``. Every row sees key 0 in its window or its sinks, so both
     stay finite.
     """
-    scores = _sink_scores(q_tail, k_sink, scale)
+    scores = _sink_scores(q_tail, k_sink, scale, window)
     lse_s = torch.logsumexp(scores, dim=-1)
     lse = torch.logaddexp(lse_w.to(lse_s.dtype), lse_s)
     out_s = torch.matmul(torch.exp(scores - lse[..., None]), v_sink.to(scores.dtype))
@@ -84,6 +87,7 @@ def sink_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     grad: torch.Tensor,
+    window: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The sink part's gradients ``(dq_tail, dk_sink, dv_sink)`` given the merged ``out`` and ``lse``.
 
@@ -92,7 +96,7 @@ def sink_backward(
     dtype (float32 for half-precision inputs).
     """
     dtype = _compute_dtype(q_tail.dtype)
-    scores = _sink_scores(q_tail, k_sink, scale)
+    scores = _sink_scores(q_tail, k_sink, scale, window)
     probs = torch.exp(scores - lse.to(dtype)[..., None])
     grad, out = grad.to(dtype), out.to(dtype)
     delta = (grad * out).sum(-1, keepdim=True)

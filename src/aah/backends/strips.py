@@ -5,7 +5,8 @@ the fused flash-style kernel that full causal SDPA itself uses on CPU (section
 7.7, backend-realized local attention), so scores, masks and probabilities
 are never materialised in memory and their backward runs inside the kernel.
 
-For one window ``W < T`` (all heads of a window group at once):
+Geometry, for one window ``W < T`` (all heads of a window group at once; masks from
+:func:`aah.windows.visible`):
 
 * **Prefix**: queries ``[0, W)`` see every earlier key, so they are plain
   causal attention over the first ``W`` positions: one fused causal call, cut
@@ -52,6 +53,7 @@ from __future__ import annotations
 
 import torch
 
+from ..windows import visible
 from .banded import grouped_attention
 from .base import AttentionBackend, expand_kv
 from .halves import balanced_causal, causal_backward, causal_forward, cut_in_halves
@@ -97,13 +99,12 @@ _MASKS: dict[tuple[int, int, torch.dtype, torch.device], torch.Tensor] = {}
 
 
 def _strip_mask(window: int, block: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Additive mask (1, 1, b, W - 1 + b): row ``r`` sees columns ``r .. r + W - 1``."""
+    """Additive mask (1, 1, b, W - 1 + b): row ``r``, the query at column ``r + W - 1``, sees ``r .. r + W - 1``."""
     key = (window, block, dtype, device)
     mask = _MASKS.get(key)
     if mask is None:
-        rows = torch.arange(block, device=device)[:, None]
-        cols = torch.arange(window - 1 + block, device=device)[None, :]
-        allowed = (cols >= rows) & (cols < rows + window)
+        q_pos = torch.arange(window - 1, window - 1 + block, device=device)[:, None]
+        allowed = visible(q_pos, torch.arange(window - 1 + block, device=device), window)
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
         mask.masked_fill_(~allowed, float("-inf"))
         mask = mask[None, None]
@@ -188,7 +189,7 @@ class _StripAttention(torch.autograd.Function):
             tail = slice(window, padded)
             dq_k, dk_k, dv_k = sink_backward(
                 q[:, tail], k[:, :sinks], v[:, :sinks], scale,
-                out_s.reshape(n_heads, -1, d), lse_s.reshape(n_heads, -1), grad[:, tail],
+                out_s.reshape(n_heads, -1, d), lse_s.reshape(n_heads, -1), grad[:, tail], window=window,
             )
             dq[:, window:] += dq_k.to(dq.dtype)
             dk[:, :sinks] += dk_k.to(dk.dtype)
@@ -201,7 +202,7 @@ def _merge_strip_sinks(q, k, v, window, sinks, scale, out_s, lse_s):
     n_heads, d = q.shape[0], q.shape[2]
     out, lse = merge_sinks(
         q[:, window:], k[:, :sinks], v[:, :sinks], scale,
-        out_s.reshape(n_heads, -1, d), lse_s.reshape(n_heads, -1),
+        out_s.reshape(n_heads, -1, d), lse_s.reshape(n_heads, -1), window=window,
     )
     return out.view(out_s.shape), lse.view(lse_s.shape)
 
