@@ -21,7 +21,7 @@ from aah.backends.banded import (
 from aah.backends.flex import FLEX_BLOCK, band_block_mask, band_tiles
 from aah.bench.attention import bench_attention, format_table, mix_head_counts, mix_windows
 from aah.cli import main
-from aah.windows import causal_coverage, causal_pairs
+from aah.windows import causal_coverage, causal_pairs, visible
 
 CUDA = torch.cuda.is_available()
 
@@ -202,7 +202,7 @@ def test_flex_block_mask_matches_create_block_mask_and_coverage(t, windows):
     ours = band_block_mask(tuple(windows), t, "cpu")
     w = torch.tensor(windows)
     built = create_block_mask(
-        lambda b, h, q, kv: (kv <= q) & (kv > q - w[h]), None, len(windows), t, t, device="cpu"
+        lambda b, h, q, kv: visible(q, kv, w[h]), None, len(windows), t, t, device="cpu"
     )
     assert torch.equal(ours.kv_num_blocks, built.kv_num_blocks)
     assert torch.equal(ours.full_kv_num_blocks, built.full_kv_num_blocks)

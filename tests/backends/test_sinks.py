@@ -12,7 +12,7 @@ from aah.backends.banded import block_size, planned_entries
 from aah.backends.flex import FLEX_BLOCK, band_block_mask
 from aah.backends.sinks import sink_span
 from aah.backends.strips import strip_entries
-from aah.windows import causal_coverage
+from aah.windows import causal_coverage, visible
 
 from ..conftest import reference_attention
 from .test_banded_and_flex import _check as check_reference
@@ -152,7 +152,7 @@ def test_flex_block_mask_with_sinks_matches_create_block_mask(t, windows, sinks)
     ours = band_block_mask(tuple(windows), t, "cpu", sink_tokens=sinks)
     w = torch.tensor(windows)
     built = create_block_mask(
-        lambda b, h, q, kv: (kv <= q) & ((kv > q - w[h]) | (kv < sinks)), None, len(windows), t, t, device="cpu"
+        lambda b, h, q, kv: visible(q, kv, w[h], sinks), None, len(windows), t, t, device="cpu"
     )
     assert torch.equal(ours.kv_num_blocks, built.kv_num_blocks)
     assert torch.equal(ours.full_kv_num_blocks, built.full_kv_num_blocks)
