@@ -99,6 +99,11 @@ class LayerKVCache:
         """How the last call ran: ``prefill``, ``compiled block``, ``compiled attention`` or ``masked``."""
         return self.store.route
 
+    @property
+    def route_reason(self) -> str | None:
+        """Why the last call took no faster compiled route (:func:`aah.decode.route.choose_route`)."""
+        return self.store.route_reason
+
     # ------------------------------------------------------------------ memory
     def memory_bytes(self) -> int:
         """Bytes held by the ring buffers (keys and values)."""

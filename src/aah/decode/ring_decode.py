@@ -31,9 +31,9 @@ from typing import NamedTuple
 
 import torch
 from torch.nn import functional as F
-from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from .extension import decode_step_label, load, unavailable_reason
+from .route import inference_reason
 
 __all__ = ["ACTIVATIONS", "LINEAR_ROWS_MAX", "decode_step_label", "linear", "linear_rows", "load", "ring_decode", "ring_decode_packed", "decode_block", "Block", "BLOCK_PARTS", "Rings", "paged_attention", "unavailable_reason"]
 
@@ -227,13 +227,6 @@ def _module():
     return module
 
 
-def hooks_or_autocast(*modules: torch.nn.Module) -> bool:
-    """Whether a forward hook (global or on one of ``modules``) or CPU autocast asks for the module path."""
-    if _global_forward_hooks or _global_forward_pre_hooks or torch.is_autocast_enabled("cpu"):
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
-
-
 #: Up to this many rows, :func:`linear` runs :func:`linear_rows` (on 2 CPU cores it beats the
 #: general matrix product up to 8 rows in float32 and 16 in bfloat16; ``aah bench decode``).
 LINEAR_ROWS_MAX = 8
@@ -255,12 +248,10 @@ def linear(layer: torch.nn.Linear, x: torch.Tensor, activation: str = "none") ->
     if (
         0 < rows <= LINEAR_ROWS_MAX
         and type(layer) is torch.nn.Linear  # a subclass or wrapper may compute something else
-        and x.device.type == "cpu"
         and x.dtype == weight.dtype
         and x.dtype in (torch.float32, torch.bfloat16)
         and weight.is_contiguous()
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-        and not hooks_or_autocast(layer)
+        and inference_reason(x, layer) is None
     ):
         module = load()
     if module is not None:

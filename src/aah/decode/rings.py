@@ -1,7 +1,7 @@
 """One layer's KV storage for windowed decoding: sink slots and a ring per KV head (paper section 5.8).
 
 The ring-and-visibility core of both decode caches, the GPT's (:mod:`aah.decode.cache`) and
-the Hugging Face bridge's (:mod:`aah.hf.cache`). A head with window ``W`` never reads further
+the Hugging Face bridge's (:mod:`aah.hf.bridge.cache`). A head with window ``W`` never reads further
 back than ``W - 1`` positions, so a KV head keeps ``S + C`` slots: ``S`` sink slots for the
 first ``S`` real tokens of each row (0 for the GPT) and a ring of ``C`` slots, ``C`` the largest
 window of the query heads that read it (capped by ``max_len``), position ``p`` in ring slot
@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from ..windows import check_sink_tokens, visible, window_tuple
 from . import ring_decode
+from .route import ATTENTION, BLOCK, PREFILL, choose_route
 
 __all__ = ["GROWTH", "RingGroup", "RingStore", "joined_route", "kv_capacities"]
 
@@ -103,6 +104,9 @@ class RingStore:
         self.flat_values: torch.Tensor | None = None
         #: How the last call ran: ``prefill``, ``compiled block``, ``compiled attention`` or ``masked``.
         self.route: str | None = None
+        #: Why the last call took no faster compiled route (``None`` where it took the fastest).
+        self.route_reason: str | None = None
+        self._layer_reason: str | None = None
         self._ring_index: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     # -- storage --------------------------------------------------------------------------
@@ -120,7 +124,7 @@ class RingStore:
 
     def clear(self) -> None:
         """Mark every ring slot empty (the buffers stay and are overwritten later); forget the route."""
-        self.route = None
+        self.route = self.route_reason = self._layer_reason = None
         for g in self.groups:
             g.ring_positions.fill_(-1)
 
@@ -289,7 +293,7 @@ class RingStore:
         T, >= start + T), ``True`` (or 0.0) where a key position may be read (a padding mask).
         ``kept``: per ring group (in the order of :attr:`groups`), keys, values (B, n, K, D) of its
         ``n`` KV heads and a (B, n, K) flag of which hold a key, seen by every query of the heads
-        reading each KV head (far keys outside every window, :mod:`aah.hf.kept_keys`). Computes
+        reading each KV head (far keys outside every window, :mod:`aah.hf.bridge.kept_keys`). Computes
         in the query's dtype (the stored entries are cast to it); returns (B, H, T, D_v).
         """
         batch, _, new, _ = query.shape
@@ -354,20 +358,21 @@ class RingStore:
         keys/values, then store those: the route of every call that is not a whole compiled block.
 
         ``prefill`` (the first call, ``start == 0``) runs the model's own attention; one token
-        without ``key_mask`` that :meth:`compiled_ready` allows is written, then read by one
-        :meth:`decode` call; anything else is :meth:`attend` (with the query in ``compute``, when
-        given; always, with ``kept`` keys). :attr:`route` names the route taken. Other arguments as
-        :meth:`attend` and :meth:`write`.
+        that the route decision (:func:`aah.decode.route.choose_route`) sends to the compiled
+        attention is written, then read by one :meth:`decode` call; anything else is :meth:`attend`
+        (with the query in ``compute``, when given). :attr:`route` names the route taken and
+        :attr:`route_reason` why no faster one. Other arguments as :meth:`attend` and :meth:`write`.
         """
-        if start == 0:
-            self.route = "prefill"
+        route = choose_route(self, query, start=start, tokens=query.shape[2], first_real=first_real,
+                             padded=key_mask is not None)
+        self.route, layer_reason, self._layer_reason = route.name, self._layer_reason, None
+        self.route_reason = route.reason or layer_reason  # a layer's reason not to run whole, where it had one
+        if route.name == PREFILL:
             out = prefill()
-        elif query.shape[2] == 1 and key_mask is None and self.compiled_ready(query, first_real):
-            self.route = "compiled attention"
+        elif route.name == ATTENTION:
             self.write(new_keys, new_values, start, first_real, record)
             return self.decode(query[:, :, 0], start + 1, scale, kept)[:, :, None]
         else:
-            self.route = "masked"
             compute = query.dtype if compute is None else compute
             out = self.attend(
                 query.to(compute), new_keys, new_values, start, first_real=first_real, key_mask=key_mask, scale=scale,
@@ -376,17 +381,10 @@ class RingStore:
         self.write(new_keys, new_values, start, first_real, record)
         return out
 
-    def compiled_ready(self, x: torch.Tensor, first_real: torch.Tensor | None = None) -> bool:
-        """Whether the compiled steps can read this store for ``x``: on CPU in the store's dtype, keys
-        and values of one head dim, no gradient asked for, every row starting at position 0 (its
-        sinks are positions 0..S-1), the extension built."""
-        return (
-            x.device.type == "cpu" and self.device.type == "cpu" and x.dtype == self.dtype
-            and self.flat_keys.shape[-1] == self.flat_values.shape[-1]  # the kernels read one head dim
-            and not (x.requires_grad and torch.is_grad_enabled())
-            and (first_real is None or not bool(first_real.any()))
-            and ring_decode.load() is not None
-        )
+    def note_layer_reason(self, reason: str | None) -> None:
+        """Keep why a decoder layer did not run whole (:func:`aah.decode.route.choose_route`), so that
+        the attention call that follows reports it as :attr:`route_reason`."""
+        self._layer_reason = reason
 
     def decode(
         self, query: torch.Tensor, length: int, scale: float,
@@ -422,7 +420,7 @@ class RingStore:
         out = ring_decode.decode_block(x.contiguous(), block, cos, sin, self.rings(), position + 1, scale, sinks=self.sinks)
         for g in self.groups:
             g.ring_positions[position % g.capacity] = position
-        self.route = "compiled block"
+        self.route, self.route_reason = BLOCK, None
         return out
 
 

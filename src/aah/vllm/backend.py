@@ -20,8 +20,6 @@ import functools
 from pathlib import Path
 
 import torch
-from vllm import _custom_ops as ops
-from vllm import envs
 from vllm.config import get_current_vllm_config
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import (
@@ -29,6 +27,9 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackendImpl,
     CPUAttentionMetadataBuilder,
 )
+
+from vllm import _custom_ops as ops
+from vllm import envs
 
 from ..hf.bridge.windows_file import check_windows_for, load_windows
 from .paged import Batch, PagedKV, windowed_attention

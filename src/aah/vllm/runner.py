@@ -31,8 +31,9 @@ __all__ = ["run_engine", "main"]
 
 def run_engine(model: str, engine: dict[str, Any]) -> dict[str, Any]:
     """Start one engine, run its prompts ``rounds`` times, shut it down."""
-    from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+
+    from vllm import LLM, SamplingParams
 
     if engine.get("windows"):
         os.environ[ENV_VAR] = str(engine["windows"])

@@ -13,8 +13,10 @@ The step runs for Llama, Mistral and Qwen2 layers (RMSNorm, rotate-half rotary e
 SiLU-gated MLP; Qwen3's per-head query and key norms are not in the kernel) in evaluation mode
 without gradients, for one token per row with no padding mask, in float32 or bfloat16, with
 plain ``nn.Linear`` projections, no forward hooks and no autocast. Anything else runs the
-layer's own ``forward`` (whose attention still reads the window cache). The cache layer says
-which route its last step took (:attr:`aah.hf.WindowCacheLayer.route`).
+layer's own ``forward`` (whose attention still reads the window cache). This module only maps a
+layer's weights; the route is decided by :func:`aah.decode.route.choose_route`, and the cache
+layer says which route its last step took and why (:attr:`aah.hf.WindowCacheLayer.route`,
+``route_reason``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ...decode import ring_decode
+from ...decode.route import BLOCK, layer_reason
 from .cache import WindowCacheLayer
 from .generation import Adopted, adopted_class
 
@@ -43,7 +46,8 @@ class _CompiledDecodeLayer(Adopted):
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [m for m in model.modules() if "self_attn" in m._modules and "mlp" in m._modules]
+    return [m for m in model.modules() if isinstance(getattr(m, "self_attn", None), torch.nn.Module)
+            and isinstance(getattr(m, "mlp", None), torch.nn.Module)]
 
 
 def adopt_layers(model: torch.nn.Module) -> None:
@@ -62,43 +66,41 @@ def release_layers(model: torch.nn.Module) -> None:
             layer.__class__ = layer._aah_base
 
 
-def layer_block(layer: torch.nn.Module, dtype: torch.dtype) -> ring_decode.Block | None:
-    """The layer's weights as :func:`aah.decode.ring_decode.decode_block` reads them, or ``None`` where
-    the compiled step would compute something else (see the module docstring)."""
-    mods = layer._modules
-    attn, mlp = mods["self_attn"], mods["mlp"]
-    norm1, norm2 = mods.get("input_layernorm"), mods.get("post_attention_layernorm")
-    projections = [attn._modules.get(n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    projections += [mlp._modules.get(n) for n in ("gate_proj", "up_proj", "down_proj")]
-    if any(type(p) is not torch.nn.Linear for p in projections) or "q_norm" in attn._modules:
-        return None
-    if norm1 is None or norm2 is None or not hasattr(norm1, "variance_epsilon"):
-        return None
+def layer_block(layer: torch.nn.Module, dtype: torch.dtype) -> ring_decode.Block | str:
+    """The layer's weights as :func:`aah.decode.ring_decode.decode_block` reads them, or why the
+    compiled step would compute something else (see the module docstring)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    if any(type(p) is not torch.nn.Linear for p in projections):
+        return "a projection is not a plain nn.Linear"
+    if not hasattr(norm1, "variance_epsilon") or not hasattr(norm2, "variance_epsilon"):
+        return "the layer's norms are not RMSNorm"
     if getattr(mlp, "config", None) is not None and mlp.config.hidden_act not in ("silu", "swish"):
-        return None
-    if ring_decode.hooks_or_autocast(layer, attn, mlp, norm1, norm2, *projections):
-        return None
+        return f"the MLP's activation {mlp.config.hidden_act!r} is not SiLU"
     q, k, v, o, gate, up, down = projections
-    return ring_decode.Block.of(
+    block = ring_decode.Block.of(
         dtype, "rmsnorm", (norm1.variance_epsilon, norm2.variance_epsilon), "swiglu",
         norm1=norm1, qkv=q, key=k, value=v, out=o, norm2=norm2, gate=gate, up=up, down=down,
     )
+    return f"the layer's weights are not contiguous {dtype} tensors" if block is None else block
 
 
 def _compiled_step(layer, hidden_states: torch.Tensor, kwargs: dict) -> torch.Tensor | None:
-    """The layer's output through the compiled step, or ``None`` for the module path."""
-    if layer.training or torch.is_grad_enabled() or kwargs.get("attention_mask") is not None:
-        return None
-    if hidden_states.dim() != 3 or hidden_states.shape[1] != 1:
-        return None
-    attn = layer._modules["self_attn"]
+    """The layer's output through the compiled step, or ``None`` for the module path (the route
+    is :func:`aah.decode.route.choose_route`'s, asked through the cache layer)."""
+    attn = layer.self_attn
     layers = getattr(kwargs.get("past_key_values"), "layers", ())
     cache_layer = layers[attn.layer_idx] if attn.layer_idx < len(layers) else None
-    if not isinstance(cache_layer, WindowCacheLayer) or kwargs.get("position_embeddings") is None:
+    if not isinstance(cache_layer, WindowCacheLayer) or hidden_states.dim() != 3:
         return None
-    block = layer_block(layer, hidden_states.dtype)
-    if block is None:
-        return None
-    return cache_layer.decode_block(
-        hidden_states, block, kwargs["position_embeddings"], kwargs.get("position_ids"), attn
+    position_embeddings = kwargs.get("position_embeddings")
+    route = cache_layer.layer_route(
+        hidden_states, attn, kwargs.get("attention_mask"), kwargs.get("position_ids"),
+        lambda: ("the layer was given no position embeddings" if position_embeddings is None
+                 else layer_reason(layer) or layer_block(layer, hidden_states.dtype)),
     )
+    if route.name != BLOCK:
+        cache_layer.store.note_layer_reason(route.reason)
+        return None
+    return cache_layer.decode_block(hidden_states, route.block, position_embeddings, attn)

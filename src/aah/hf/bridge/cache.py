@@ -38,11 +38,13 @@ crop cut in two, raises ``ValueError``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
 from ...decode.rings import RingGroup, RingStore, joined_route
+from ...decode.route import PREFILL, Route, choose_route
 from .._transformers import require
 from .attention import attend_without_cache
 from .kept_keys import (
@@ -195,6 +197,11 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         no compiled step), ``compiled attention`` (one token, the attention compiled) or ``compiled
         block`` (one token, the whole decoder layer compiled, :mod:`aah.hf.bridge.block_step`)."""
         return self.store.route
+
+    @property
+    def route_reason(self) -> str | None:
+        """Why the last call did not take a faster compiled route (``None`` where it took the fastest)."""
+        return self.store.route_reason
 
     @property
     def is_croppable(self) -> bool:  # noqa: D102 - transformers' flag
@@ -365,29 +372,51 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         first = torch.where(row, torch.arange(kv_len, device=row.device), kv_len).amin(dim=-1)
         self.sink_start = torch.where(unknown, first, self.sink_start)
 
+    def layer_route(
+        self,
+        hidden_states: torch.Tensor,
+        attention: torch.nn.Module,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        layer: Callable[[], object],
+    ) -> Route:
+        """The route of a decoder layer's step through this cache (:func:`aah.decode.route.choose_route`):
+        ``compiled block`` only where this cache can hand the whole layer over: it records no writes
+        for ``crop``, keeps no kept keys, holds the windows and the batch the layer runs, and the
+        positions continue it. ``layer()`` maps the layer's weights (or says why it cannot)."""
+
+        def whole_layer():
+            spec = getattr(attention, SPEC_ATTR, None)
+            if self.crop_limit or self.record_past:
+                return "the cache records its writes for crop (assisted decoding, prompt lookup, crop_limit)"
+            if self.kept is not None:
+                return "kept keys join the attention's softmax, which the whole-layer step does not read"
+            if spec is None or spec.windows != self.windows or spec.sink_tokens != self.sink_tokens:
+                return "the layer runs other windows than this cache holds"
+            if hidden_states.shape[0] != self.sink_start.shape[0]:
+                return "the batch is not the cache's"
+            if position_ids is not None and int(position_ids[0, -1]) != self.cumulative_length:
+                return "the position ids do not continue the cache"
+            return layer()
+
+        if not self.is_initialized:
+            return Route(PREFILL)
+        return choose_route(
+            self.store, hidden_states, start=self.cumulative_length, tokens=hidden_states.shape[1],
+            first_real=self.sink_start, padded=attention_mask is not None, layer=whole_layer,
+        )
+
     def decode_block(
         self,
         hidden_states: torch.Tensor,
         block,
         position_embeddings: tuple[torch.Tensor, torch.Tensor],
-        position_ids: torch.Tensor | None,
         attention: torch.nn.Module,
-    ) -> torch.Tensor | None:
+    ) -> torch.Tensor:
         """One decode step of a whole decoder layer whose attention reads this cache, in one call
-        of :func:`aah.decode.ring_decode.decode_block`; ``None`` where the step must take the module
-        path (this cache records writes for ``crop``, a row was padded, the positions or the
-        windows are not this cache's, no compiled step). ``hidden_states`` (B, 1, d_model)."""
-        if not self.is_initialized or self.crop_limit or self.record_past or self.kept is not None:
-            return None
-        spec = getattr(attention, SPEC_ATTR, None)
+        of :func:`aah.decode.ring_decode.decode_block`, where :meth:`layer_route` chose it.
+        ``hidden_states`` (B, 1, d_model)."""
         position, batch = self.cumulative_length, hidden_states.shape[0]
-        if (
-            spec is None or spec.windows != self.windows or spec.sink_tokens != self.sink_tokens
-            or batch != self.sink_start.shape[0] or position < self.sink_tokens
-            or (position_ids is not None and int(position_ids[0, -1]) != position)
-            or not self.store.compiled_ready(hidden_states, self.sink_start)
-        ):
-            return None
         self._check_room(position + 1)
         cos, sin = position_embeddings
         out = self.store.decode_block(hidden_states.reshape(batch, -1), block, cos[0], sin[0], position, attention.scaling)
