@@ -120,10 +120,8 @@ def visible(
 
 
 def cut_off(q_pos: torch.Tensor | int, k_pos: torch.Tensor | int, windows: torch.Tensor | int, sinks: int = 0) -> torch.Tensor:
-    """The keys a window cuts off: those query ``q_pos`` sees in full causal context but not under :func:`visible`.
-
-    ``True`` where ``0 <= k_pos <= q_pos - W`` and ``k_pos >= sinks``. Arguments broadcast as in :func:`visible`.
-    """
+    """The keys a window cuts off, ``0 <= k_pos <= q_pos - W`` and ``k_pos >= sinks``: those query ``q_pos`` sees
+    in full causal context but not under :func:`visible` (the arguments broadcast as there)."""
     q_pos = torch.as_tensor(q_pos)
     return visible(q_pos, k_pos, q_pos + 1) & ~visible(q_pos, k_pos, windows, sinks)
 

@@ -193,10 +193,7 @@ def attention_diagnostics(
         raise ValueError(f"windows: need one per query head ({num_heads}), got {len(windows)}")
     w = seq_len if windows is None else torch.as_tensor(list(windows), dtype=torch.long, device=q.device).view(-1, 1, 1)
     allowed = visible(pos[:, None], keys, w)  # (S, T) causal for W = T, else (H, S, T)
-    if windows is None:
-        probs = sampled.causal_probs()
-    else:
-        probs = torch.softmax(_mask_scores(sampled.scores, ~allowed), dim=-1)
+    probs = sampled.causal_probs() if windows is None else torch.softmax(_mask_scores(sampled.scores, ~allowed), -1)
     seen = allowed.sum(-1).float().expand(num_heads, -1)  # (H, S) keys each query may see
     # p log p, 0 where p = 0 (there 0 * log(1e-30) is already 0); one scratch tensor serves twice.
     scratch = probs.clamp_min(1e-30)
