@@ -37,7 +37,7 @@ import importlib
 import torch
 
 from ..windows import causal_coverage
-from .banded import gather_group, restore_head_order
+from .banded import grouped_attention
 from .base import AttentionBackend, BackendUnavailable
 from .sinks import merge_sinks, sink_span
 
@@ -105,25 +105,17 @@ class FlashBackend(AttentionBackend):
                 f"backend 'flash' needs float16 or bfloat16 inputs, got {q.dtype}; "
                 "cast the inputs (e.g. under torch.autocast) or use 'flex' / 'banded'"
             )
-        flash = _flash_attn_func()
-        b, h, t, d = q.shape
-        group = h // k.shape[1]
-        by_window: dict[int, list[int]] = {}
-        for head, w in enumerate(windows):
-            by_window.setdefault(min(w, t), []).append(head)
-        outputs, order = [], []
-        for w, heads in sorted(by_window.items()):
-            q_g, k_g, v_g, heads = gather_group(q, k, v, heads, group)
+        flash, t = _flash_attn_func(), q.shape[2]
+
+        def run(q_g, k_g, v_g, w, scale):
             window_size = (-1, -1) if w >= t else (w - 1, 0)
             qt, kt, vt = (x.transpose(1, 2) for x in (q_g, k_g, v_g))
             span = sink_span(w, t, sink_tokens)
             if span == 0:
-                o = flash(qt, kt, vt, softmax_scale=scale, causal=True, window_size=window_size).transpose(1, 2)
-            else:
-                o = _with_sinks(q_g, k_g, v_g, *_FlashWithLse.apply(qt, kt, vt, scale, window_size), w, span, scale)
-            outputs.append(o)
-            order.extend(heads)
-        return restore_head_order(outputs, order)
+                return flash(qt, kt, vt, softmax_scale=scale, causal=True, window_size=window_size).transpose(1, 2)
+            return _with_sinks(q_g, k_g, v_g, *_FlashWithLse.apply(qt, kt, vt, scale, window_size), w, span, scale)
+
+        return grouped_attention(q, k, v, windows, scale, run)
 
     def executed_coverage(self, windows, seq_len, sink_tokens=0):
         return causal_coverage(windows, seq_len, sink_tokens=sink_tokens)
