@@ -51,6 +51,8 @@ rows included), plus ``n b S'`` sink entries, over the causal triangle
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from ..windows import visible
@@ -250,13 +252,7 @@ class StripsBackend(AttentionBackend):
         return None
 
     def attend(self, q, k, v, windows, scale, sink_tokens=0):
-        if not sink_tokens:
-            return grouped_attention(q, k, v, windows, scale, strip_attention)
-
-        def run(q_g, k_g, v_g, w, scale):
-            return strip_attention(q_g, k_g, v_g, w, scale, sink_tokens=sink_tokens)
-
-        return grouped_attention(q, k, v, windows, scale, run)
+        return grouped_attention(q, k, v, windows, scale, partial(strip_attention, sink_tokens=sink_tokens))
 
     def executed_coverage(self, windows, seq_len, sink_tokens=0):
         t = seq_len
