@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..windows import check_sink_tokens, visible, window_tuple
+from ..windows import check_sink_tokens, kv_group_reach, visible, window_tuple
 from . import ring_decode
 from .route import ATTENTION, BLOCK, PREFILL, choose_route
 
@@ -43,15 +43,10 @@ def kv_capacities(windows: Sequence[int], num_kv_heads: int, max_len: int | None
 
     Query head ``h`` reads KV head ``h // (H // H_kv)`` (the grouping of :func:`aah.attend`).
     """
-    wins = window_tuple(windows)
-    for name, value in (("num_kv_heads", num_kv_heads), ("max_len", 1 if max_len is None else max_len)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if len(wins) % num_kv_heads:
-        raise ValueError(f"{len(wins)} query heads cannot be split among {num_kv_heads} KV heads")
-    group = len(wins) // num_kv_heads
-    caps = [max(wins[g * group:(g + 1) * group]) for g in range(num_kv_heads)]
-    return tuple(caps if max_len is None else (min(c, max_len) for c in caps))
+    if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1):
+        raise ValueError(f"max_len must be a positive int, got {max_len!r}")
+    caps = kv_group_reach(window_tuple(windows), num_kv_heads)
+    return caps if max_len is None else tuple(min(c, max_len) for c in caps)
 
 
 def joined_route(routes: Iterable[str | None]) -> str:

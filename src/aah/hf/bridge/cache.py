@@ -45,6 +45,7 @@ import torch
 
 from ...decode.rings import RingGroup, RingStore, joined_route
 from ...decode.route import PREFILL, Route, choose_route
+from ...windows import visible as window_rule
 from .._transformers import require
 from .attention import attend_without_cache
 from .kept_keys import (
@@ -330,7 +331,7 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         visible = visible_keys(query.shape[2], length, attention_mask, query.device)[:, :, -tail:]
         if spec.layer_window is not None:
             qpos = torch.arange(length - tail, length, device=query.device)[:, None]
-            visible = visible & (qpos - torch.arange(length, device=query.device)[None, :] < spec.layer_window)
+            visible = visible & window_rule(qpos, torch.arange(length, device=query.device)[None, :], spec.layer_window)
         tail_out, probs = tail_attention(query[:, :, -tail:], keys, values, visible, scale)
         out = out.clone()
         out[:, :, -tail:] = tail_out
@@ -342,7 +343,7 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         capacity = torch.tensor(self.store.capacities, device=query.device)
         real = visible[:, 0, -1].expand(keys.shape[0], -1)  # (B, T)
         first = self.sink_start[:, None]
-        sink = (pos[None] >= first) & (pos[None] < first + self.sink_tokens)
+        sink = window_rule(length, pos[None], 1, self.sink_tokens, first)  # what a query past every key reads as sinks
         eligible = (real & ~sink)[:, None, :] & (pos[None, None, :] <= length - capacity[None, :, None])
         # The sinks' large attention must not lend its score to their neighbours through the pooling.
         probs = probs.masked_fill(sink[:, None, None, :], 0.0)

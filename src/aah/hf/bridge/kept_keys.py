@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ...windows import kv_group_reach, visible
 from .spec import executed_coverage
 
 __all__ = [
@@ -241,7 +242,7 @@ def _rolling_groups(windows: Sequence[int], kv_heads: int, sink_tokens: int,
     """Each KV group's reach (its widest window), the groups whose windows and sinks leave keys of
     a ``length`` prompt behind, and those groups' query heads."""
     group = len(windows) // kv_heads
-    reach = [max(windows[g * group:(g + 1) * group]) for g in range(kv_heads)]
+    reach = list(kv_group_reach(windows, kv_heads))
     short = [g for g in range(kv_heads) if reach[g] + sink_tokens < length]
     return reach, short, [g * group + i for g in short for i in range(group)]
 
@@ -296,7 +297,7 @@ def _rolling_row(query, key, value, present, out, windows, reach, sink_tokens, k
         stop = min(length, start + kept.prefill_block)
         # The previous block's last rows score every earlier key with their exact attention.
         tail = min(kept.tail_tokens, start)
-        seen = ((pos[None, :start] <= pos[start - tail:start, None]) & present[None, :start])[None, None]
+        seen = (visible(pos[start - tail:start, None], pos[None, :start], start) & present[None, :start])[None, None]
         _, probs = tail_attention(query[None, :, start - tail:start], key[None, :, :start], value[None, :, :start],
                                   seen, scale)
         probs[..., :sinks] = 0.0  # the sinks lend no score to their neighbours
@@ -320,10 +321,12 @@ def _rolling_row(query, key, value, present, out, windows, reach, sink_tokens, k
             keys = torch.cat([key[kv, :sinks], kept_keys[heads_here], key[kv, low:stop]], 1)
             values = torch.cat([value[kv, :sinks], kept_values[heads_here], value[kv, low:stop]], 1)
             local = pos[None, low:stop]
+            sink_columns = pos[None, :sinks]  # read as sinks where the window does not reach them
             allowed = torch.cat([
-                ((pos[None, :sinks] <= rows - width) & present[None, :sinks]).expand(len(heads_here), -1, -1),
+                (visible(rows, sink_columns, width, sinks) & ~visible(rows, sink_columns, width)
+                 & present[None, :sinks]).expand(len(heads_here), -1, -1),
                 kept_valid[heads_here][:, None, :].expand(-1, stop - start, -1),
-                ((local <= rows) & (rows - local < width) & present[None, low:stop]).expand(len(heads_here), -1, -1),
+                (visible(rows, local, width) & present[None, low:stop]).expand(len(heads_here), -1, -1),
             ], -1)
             block = F.scaled_dot_product_attention(
                 query[None, heads_here, start:stop], keys[None], values[None], attn_mask=allowed[None], scale=scale
@@ -343,8 +346,7 @@ def rolling_coverage_pairs(
     group = len(windows) // num_kv_heads
     pairs = 0
     end = max(0, seq_len - kept.tail_tokens)  # the tail's rows read every key anyway
-    for g in range(num_kv_heads):
-        reach = max(windows[g * group:(g + 1) * group])
+    for reach in kv_group_reach(windows, num_kv_heads):
         if reach + sink_tokens >= seq_len:
             continue
         for start in range(kept.prefill_block, end, kept.prefill_block):
@@ -378,10 +380,11 @@ def kept_coverage(specs: Sequence, seq_len: int, kept: KeptKeys, num_kv_heads: i
     ratio = 0.0
     for spec in specs:
         group = len(spec.windows) // num_kv_heads
+        reach_of = kv_group_reach(spec.windows, num_kv_heads)
         for h, window in enumerate(spec.windows):
             held = min(window + spec.sink_tokens, seq_len)
             if spec.layer_window is None:
-                reach = max(spec.windows[(h // group) * group:(h // group + 1) * group])
+                reach = reach_of[h // group]
                 held += min(kept.keys_per_head, max(0, seq_len - reach + 1 - spec.sink_tokens))
             ratio += min(held, seq_len) / seq_len
     tail = sum(tail_coverage_pairs(spec.windows, spec.sink_tokens, seq_len, kept.tail_tokens, spec.layer_window)
