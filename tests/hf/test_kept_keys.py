@@ -409,3 +409,39 @@ def test_rolling_prefill_reads_later_blocks_of_short_groups_only_once():
                                       spec, 0.35)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(out, whole, atol=1e-3)  # the kept keys changed the later blocks
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_generate_with_kept_keys_equals_the_reference(mode, llama):
+    """``generate`` through a kept-keys cache: every token and score follows the documented rule
+    (kept keys chosen by the prompt's last rows) written out in float32 by the reference."""
+    heads, kv_heads, windows, sinks, prompt_len, tail, count, pool = CASES["gqa_kv_group_with_sinks"]
+    model = llama(heads, kv_heads)
+    hf.patch(model, torch.tensor(windows), sink_tokens=sinks)
+    prompt = _ids(prompt_len, seed=5)
+    options = {"greedy": {"do_sample": False}, "sampled": {"do_sample": True, "top_k": 0}}[mode]
+    torch.manual_seed(7)
+    out = model.generate(prompt, max_new_tokens=5, past_key_values=hf.new_cache(model, kept_keys=KeptKeys(tail, count, pool)),
+                         output_logits=True, return_dict_in_generate=True, **options)
+    reference = Reference(windows, sinks, prompt_len, tail, count, pool)
+    expected = _reference_logits(model, reference, out.sequences)
+    torch.testing.assert_close(torch.cat(out.logits), expected[prompt_len - 1:-1], atol=2e-5, rtol=1e-4)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mode", ["assistant", "prompt_lookup"])
+def test_assisted_decoding_and_prompt_lookup_with_kept_keys_are_refused(mode, llama):
+    """Their first call holds draft tokens, which would choose the kept keys: a clear error, not
+    silently other tokens than greedy decoding."""
+    heads, kv_heads, windows, sinks, prompt_len, tail, count, pool = CASES["gqa_kv_group_with_sinks"]
+    model = llama(heads, kv_heads)
+    hf.patch(model, torch.tensor(windows), sink_tokens=sinks)
+    extra = {"assistant": {"assistant_model": llama(heads, kv_heads)}, "prompt_lookup": {"prompt_lookup_num_tokens": 3}}[mode]
+    cache = hf.new_cache(model, kept_keys=KeptKeys(tail, count, pool))
+    with pytest.raises(ValueError, match="refused with kept keys"):
+        model.generate(_ids(prompt_len, seed=5), max_new_tokens=4, do_sample=False, past_key_values=cache, **extra)
+    # Without kept keys the same modes run and keep greedy decoding's tokens.
+    greedy = model.generate(_ids(prompt_len, seed=5), max_new_tokens=4, do_sample=False)
+    assisted = model.generate(_ids(prompt_len, seed=5), max_new_tokens=4, do_sample=False, **extra)
+    assert torch.equal(assisted, greedy)

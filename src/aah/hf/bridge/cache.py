@@ -210,7 +210,17 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
 
     def activate_past_recording(self) -> None:
         """Record every write from now on, so that ``crop`` can take back a whole write (transformers
-        calls this before assisted decoding and prompt lookup)."""
+        calls this before assisted decoding and prompt lookup).
+
+        With kept keys, before the first call: ``ValueError``. Kept keys are chosen by the prompt's
+        last rows, and assisted decoding and prompt lookup put draft tokens into that first call,
+        so drafts (rejected ones too) would choose them."""
+        if self.kept_keys is not None and not self.is_initialized:
+            raise ValueError(
+                "assisted decoding and prompt lookup are refused with kept keys (aah.hf.KeptKeys): their first "
+                "call holds draft tokens, which would choose the kept keys; use a cache without kept keys "
+                "(aah.hf.new_cache(model)), or greedy or sampled decoding"
+            )
         self.record_past = True
 
     def crop(self, tokens_to_remove: int) -> None:
