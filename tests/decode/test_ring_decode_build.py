@@ -18,6 +18,7 @@ import sys
 import textwrap
 import time
 import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -160,7 +161,10 @@ def test_a_failed_build_is_remembered_with_the_whole_compiler_output(fresh, brok
     reason = fresh.unavailable_reason()
     assert "build failed" in reason and "undeclared_alpha" in reason and str(log) in reason
     assert "AAH_RING_KERNEL_RETRY=1" in reason
-    assert [str(w.message) for w in warned] == [f"aah: the compiled decode step is not used: {reason}"]
+    assert [str(w.message) for w in warned] == [
+        f"aah: the compiled decode step is not used, so decoding takes the slower masked route ({reason}); "
+        "set AAH_RING_KERNEL=0 to turn it off without this warning"
+    ]
     assert fresh.decode_step_label("cpu") == f"pytorch ({reason})"
     output = log.read_text()
     assert "undeclared_alpha" in output and "undeclared_omega" in output  # every error, not the first line
@@ -250,7 +254,8 @@ def test_without_a_compiler_the_reason_says_so(fresh, tiny, tmp_path, monkeypatc
         monkeypatch.delenv("CXX", raising=False)
     else:
         monkeypatch.setenv("CXX", cxx)
-    assert fresh.load() is None and calls == []
+    with pytest.warns(RuntimeWarning, match="no C\\+\\+ compiler.*AAH_RING_KERNEL=0"):
+        assert fresh.load() is None and calls == []
     reason = fresh.unavailable_reason()
     assert reason.startswith("no C++ compiler")
     assert (f"CXX={cxx}" in reason) if cxx else ("c++" in reason and "g++" in reason)
@@ -292,7 +297,8 @@ def test_without_ninja_the_reason_says_so(fresh, tiny, tmp_path, monkeypatch):
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(fresh, "_scripts_directory", lambda: str(tmp_path / "bin"))
     calls = _must_not_build(monkeypatch)
-    assert fresh.load() is None and calls == []
+    with pytest.warns(RuntimeWarning, match="no ninja"):
+        assert fresh.load() is None and calls == []
     assert fresh.unavailable_reason() == "no ninja, which builds the extension (pip install ninja)"
 
 
@@ -301,6 +307,23 @@ def test_a_library_that_does_not_load_says_which_and_what_to_do(fresh, tiny, mon
     folder.mkdir(parents=True)
     (folder / "aah_ring_decode.so").write_bytes(b"not a shared library")
     calls = _must_not_build(monkeypatch)
-    assert fresh.load() is None and calls == []
+    with pytest.warns(RuntimeWarning, match="does not load"):
+        assert fresh.load() is None and calls == []
     reason = fresh.unavailable_reason()
     assert reason.startswith(f"{folder / 'aah_ring_decode.so'} does not load") and f"delete {folder}" in reason
+
+
+def test_a_build_folder_that_cannot_be_written_warns_once_and_names_the_switch(fresh, tiny, tmp_path, monkeypatch):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(blocker / "extensions"))
+    with pytest.warns(RuntimeWarning) as warned:
+        assert fresh.load() is None
+        assert fresh.load() is None  # asked again: no second warning
+    assert len(warned) == 1 and "AAH_RING_KERNEL=0" in str(warned[0].message)
+    assert fresh.unavailable_reason() in str(warned[0].message)
+    monkeypatch.setenv("AAH_RING_KERNEL", "0")
+    monkeypatch.setattr(fresh, "_state", {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # turned off on purpose: silent
+        assert fresh.load() is None

@@ -111,10 +111,14 @@ def load():
             _state["module"] = _load_or_build(_build_directory())
         except _Unavailable as exc:  # no compiler or ninja, a failed build
             _state["error"] = str(exc)
-            if isinstance(exc, _BuildFailed):
-                warnings.warn(f"aah: the compiled decode step is not used: {exc}", RuntimeWarning, stacklevel=2)
         except Exception as exc:  # a read-only home, say: keep the PyTorch path
             _state["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        if "error" in _state:  # once per process: decoding stays exact, only slower
+            warnings.warn(
+                f"aah: the compiled decode step is not used, so decoding takes the slower masked route "
+                f"({_state['error']}); set AAH_RING_KERNEL=0 to turn it off without this warning",
+                RuntimeWarning, stacklevel=2,
+            )
     return _state.get("module")
 
 
