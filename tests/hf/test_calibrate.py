@@ -16,6 +16,7 @@ tokenizers = pytest.importorskip("tokenizers")
 from aah.cli import main  # noqa: E402
 from aah.controller import HeadController  # noqa: E402
 from aah.controller.lost_mass import lost_mass  # noqa: E402
+from aah.hf.bridge.spec import uniform_window_for_budget  # noqa: E402
 from aah.hf.bridge.windows_file import load_windows, model_signature, save_windows  # noqa: E402
 from aah.hf.calibration.policies import (  # noqa: E402
     budgeted_windows,
@@ -23,7 +24,6 @@ from aah.hf.calibration.policies import (  # noqa: E402
     measure_lost_mass,
     resolve_candidates,
     share_within_kv_groups,
-    uniform_window_for_budget,
 )
 from aah.regimes import get as get_regime  # noqa: E402
 from aah.windows import causal_coverage, causal_pairs  # noqa: E402

@@ -13,7 +13,8 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from aah.cli import main  # noqa: E402
 from aah.data.corpora import CorpusNotFoundError  # noqa: E402
-from aah.hf.bridge.windows_file import load_windows, model_signature, save_windows  # noqa: E402
+from aah.hf import load_windows, save_windows  # noqa: E402
+from aah.hf.bridge.windows_file import model_signature  # noqa: E402
 from aah.hf.evaluation.compare import Setting  # noqa: E402
 from aah.hf.evaluation.retrieval import generate_answers, score, wilson_interval  # noqa: E402
 from aah.hf.evaluation.tasks import (  # noqa: E402

@@ -65,7 +65,6 @@ __all__ = [
     "SCOPES",
     "MEASURES",
     "calibrate",
-    "uniform_window_for_budget",
     "share_within_kv_groups",
     "measure_lost_mass",
     "budgeted_windows",
