@@ -70,9 +70,9 @@ def remove(path: Path) -> None:
 DAMAGE = {
     "truncated weights": ("model.safetensors", truncate, "truncated"),
     "flipped byte in weights": ("model.safetensors", flip_byte, "sha256"),
-    "flipped byte in train state": ("train_state.pt", flip_byte, "sha256"),
+    "flipped byte in train state": ("train_state.safetensors", flip_byte, "sha256"),
     "missing weights": ("model.safetensors", remove, "missing"),
-    "missing train state": ("train_state.pt", remove, "missing"),
+    "missing train state": ("train_state.json", remove, "missing"),
     "missing info": ("info.json", remove, "info.json is missing"),
 }
 
@@ -95,7 +95,7 @@ def test_manifest_records_size_and_sha256_of_every_file(trained):
     folder = checkpoint_dir(trained, 12)
     info = json.loads((folder / "info.json").read_text())
     assert info["step"] == 12
-    assert set(info["files"]) == {"model.safetensors", "train_state.pt"}
+    assert set(info["files"]) == {"model.safetensors", "train_state.safetensors", "train_state.json"}
     for name, entry in info["files"].items():
         data = (folder / name).read_bytes()
         assert entry["bytes"] == len(data)

@@ -34,7 +34,7 @@ def run(tmp_path):
     return tmp_path
 
 
-@pytest.mark.parametrize("name", ["model.safetensors", "train_state.pt"])
+@pytest.mark.parametrize("name", ["model.safetensors", "train_state.safetensors"])
 def test_one_byte_damaged_near_the_end_of_a_large_file_is_found(run, name):
     folder = checkpoint_dir(run, 2)
     path = folder / name
@@ -45,7 +45,7 @@ def test_one_byte_damaged_near_the_end_of_a_large_file_is_found(run, name):
     assert verify_checkpoint(folder) is True
 
     damaged = bytearray(saved)
-    spot = len(damaged) - 4096 if name == "train_state.pt" else len(damaged) - 3  # inside the last tensor's bytes
+    spot = len(damaged) - 3  # inside the last tensor's bytes
     damaged[spot] ^= 0x10
     path.write_bytes(bytes(damaged))
     assert damaged[:MIB] == saved[:MIB] and len(damaged) == len(saved)  # a prefix hash (or the size) would pass it

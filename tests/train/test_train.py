@@ -218,16 +218,16 @@ def test_nan_loss_stops_with_message_and_keeps_last_checkpoint(corpus, tmp_path,
 def test_full_disk_during_checkpoint_leaves_no_partial_files(corpus, tmp_path, monkeypatch):
     cfg = load_config(None, tiny_overrides(corpus, tmp_path / "cache", steps=8))
     run = tmp_path / "disk"
-    real_save = ckpt.torch.save
+    real_save = ckpt.save_file  # writes the training state's tensors
     calls = {"n": 0}
 
-    def failing_save(obj, f, *a, **k):
+    def failing_save(tensors, filename, *a, **k):
         calls["n"] += 1
         if calls["n"] == 2:  # the second checkpoint hits a full disk
             raise OSError(28, "No space left on device")
-        return real_save(obj, f, *a, **k)
+        return real_save(tensors, filename, *a, **k)
 
-    monkeypatch.setattr(ckpt.torch, "save", failing_save)
+    monkeypatch.setattr(ckpt, "save_file", failing_save)
     with pytest.raises(TrainingStopped, match="No space left"):
         train(cfg, run)
     assert [s for s, _ in list_checkpoints(run)] == [4]
@@ -450,7 +450,7 @@ def test_torchrun_resume_with_dropout_is_exact_on_every_rank(corpus, tmp_path):
     ddp = tmp_path / "ddp"
     done = _torchrun([str(cfg_path), *overrides, "--out", str(ddp)])
     assert done.returncode == 0, done.stdout + done.stderr
-    state = torch.load(checkpoint_dir(ddp, 4) / "train_state.pt", weights_only=False)
+    state = ckpt.read_train_state(checkpoint_dir(ddp, 4))
     ranks = state["rng_per_rank"]
     assert len(ranks) == 2 and not torch.equal(ranks[0]["torch"], ranks[1]["torch"])
     uninterrupted = [(r["step"], r["loss"]) for r in train_records(ddp)]

@@ -5,19 +5,28 @@ A checkpoint is one folder ``checkpoints/step_NNNNNNN/`` holding
 * ``model.safetensors``: every model tensor, the controllers' ``aah_state``
   buffers (feature EMA, topology, resolution EMA, windows, scorer weights)
   included;
-* ``train_state.pt``: optimizer, step, data position and RNG states (every
-  rank's under ``torchrun``);
+* ``train_state.safetensors`` and ``train_state.json``: optimizer, step, data
+  position and RNG states (every rank's under ``torchrun``): the tensors, and
+  the structure with everything else (see :mod:`aah.train.state_codec`);
 * ``info.json``: step, wall time and the manifest: the size and sha256 of
   every other file of the folder.
+
+Nothing is unpickled: a run folder from anyone can be evaluated, sampled from
+and resumed without running code it holds. Older versions wrote the training
+state as a pickle (``train_state.pt``); :func:`read_train_state` refuses it
+(:class:`PickledStateError`) unless the caller says it trusts the folder.
+Evaluation and generation read the weights only (``with_state=False``), so a
+missing or damaged training state does not stop them.
 
 It is written into a temporary folder and renamed into place, so a crash or a
 full disk never leaves a half-written checkpoint behind. Loading verifies the
 manifest first: a truncated, altered or missing file makes the checkpoint
 *bad* (:class:`CheckpointError`, naming the file and what is wrong), and
 :func:`newest_good_checkpoint` falls back to the newest checkpoint that
-verifies. A checkpoint written before manifests existed (``info.json``
-without ``files``) is loaded unverified, with a warning; if its files cannot
-be read it counts as bad like any other.
+verifies. The manifest catches damage, not malice: whoever writes a folder
+can rewrite its manifest too. A checkpoint written before manifests existed
+(``info.json`` without ``files``) is loaded unverified, with a warning; if its
+files cannot be read it counts as bad like any other.
 """
 
 from __future__ import annotations
@@ -37,8 +46,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+from .state_codec import decode, encode
+
 __all__ = [
     "CheckpointError",
+    "PickledStateError",
     "checkpoint_dir",
     "verify_checkpoint",
     "newest_good_checkpoint",
@@ -47,6 +59,8 @@ __all__ = [
     "latest_checkpoint",
     "save_checkpoint",
     "load_checkpoint",
+    "load_weights",
+    "read_train_state",
     "rng_state",
     "set_rng_state",
     "full_state_dicts",
@@ -54,14 +68,21 @@ __all__ = [
 ]
 
 MODEL_FILE = "model.safetensors"
-STATE_FILE = "train_state.pt"
+STATE_JSON = "train_state.json"
+STATE_TENSORS = "train_state.safetensors"
+#: The training state as older versions wrote it: a pickle, read only when trusted.
+PICKLED_STATE_FILE = "train_state.pt"
 INFO_FILE = "info.json"
-#: Version of the ``info.json`` layout; 2 adds the ``files`` manifest.
-FORMAT = 2
+#: Version of the checkpoint layout; 2 adds the ``files`` manifest, 3 the training state without pickle.
+FORMAT = 3
 
 
 class CheckpointError(Exception):
     """A checkpoint that is missing, incomplete or damaged; the message says which file and why."""
+
+
+class PickledStateError(CheckpointError):
+    """A training state written by an older version as a pickle, which was not trusted."""
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -108,8 +129,16 @@ def _read_info(folder: Path) -> dict:
     return info
 
 
-def verify_checkpoint(folder: Path) -> bool:
-    """Check every file of ``folder`` against its manifest.
+def _state_files(names) -> list[str]:
+    """The files of the training state among ``names``: the pair, or an older version's pickle."""
+    if PICKLED_STATE_FILE in names and STATE_JSON not in names:
+        return [PICKLED_STATE_FILE]
+    return [STATE_JSON, STATE_TENSORS]
+
+
+def verify_checkpoint(folder: Path, *, with_state: bool = True) -> bool:
+    """Check the files of ``folder`` against its manifest: every file, or with
+    ``with_state=False`` the weights only (what evaluation and generation read).
 
     Returns True when the manifest verified, False for an older checkpoint without a
     manifest (its files exist but cannot be checked); raises :class:`CheckpointError`
@@ -120,14 +149,22 @@ def verify_checkpoint(folder: Path) -> bool:
         raise CheckpointError(f"no such checkpoint folder {folder}")
     info = _read_info(folder)
     files = info.get("files")
-    if files is None:  # written before manifests: check presence and the weights' length only
-        for name in (MODEL_FILE, STATE_FILE):
+    if files is None:  # written before manifests: check presence and the safetensors lengths only
+        needed = [MODEL_FILE, *_state_files(os.listdir(folder))] if with_state else [MODEL_FILE]
+        for name in needed:
             if not (folder / name).is_file():
                 raise CheckpointError(f"{name} is missing")
-        _check_safetensors_length(folder / MODEL_FILE)
+        for name in needed:
+            if name.endswith(".safetensors"):
+                _check_safetensors_length(folder / name)
         return False
-    if not isinstance(files, dict) or MODEL_FILE not in files or STATE_FILE not in files:
-        raise CheckpointError(f"the manifest in {INFO_FILE} does not list {MODEL_FILE} and {STATE_FILE}")
+    if not isinstance(files, dict) or not all(isinstance(e, dict) for e in files.values()):
+        raise CheckpointError(f"the manifest in {INFO_FILE} is not a table of files")
+    needed = [MODEL_FILE, *_state_files(files)]
+    if any(name not in files for name in needed):
+        raise CheckpointError(f"the manifest in {INFO_FILE} does not list {' and '.join(needed)}")
+    if not with_state:
+        files = {MODEL_FILE: files[MODEL_FILE]}
     for name, entry in sorted(files.items()):
         path = folder / name
         if not path.is_file():
@@ -173,11 +210,11 @@ def _warn(message: str) -> None:
 
 
 def newest_good_checkpoint(
-    run_dir: Path, *, warn: Callable[[str], None] | None = _warn
+    run_dir: Path, *, warn: Callable[[str], None] | None = _warn, with_state: bool = True
 ) -> tuple[int, Path, list[dict]]:
     """The newest checkpoint of ``run_dir`` that verifies, as (step, folder, skipped).
 
-    ``skipped`` lists the newer checkpoints passed over, each ``{"step", "reason"}``;
+    ``with_state=False`` checks the weights only (see :func:`verify_checkpoint`). ``skipped`` lists the newer checkpoints passed over, each ``{"step", "reason"}``;
     ``warn`` (stderr by default, None for silence) is told about each one and about an
     unverified older checkpoint. Raises :class:`CheckpointError` when none verifies.
     """
@@ -187,7 +224,7 @@ def newest_good_checkpoint(
         raise CheckpointError(f"{run_dir} has no checkpoint")
     for step, folder in folders:
         try:
-            verified = verify_checkpoint(folder)
+            verified = verify_checkpoint(folder, with_state=with_state)
         except CheckpointError as exc:
             skipped.append({"step": step, "reason": str(exc)})
             if warn is not None:
@@ -200,14 +237,17 @@ def newest_good_checkpoint(
     raise CheckpointError(f"no checkpoint of {run_dir} verifies ({reasons})")
 
 
-def checkpoint_at(run_dir: Path, step: int, *, warn: Callable[[str], None] | None = _warn) -> Path:
-    """The checkpoint folder of ``step``, verified; :class:`CheckpointError` names what is wrong."""
+def checkpoint_at(
+    run_dir: Path, step: int, *, warn: Callable[[str], None] | None = _warn, with_state: bool = True
+) -> Path:
+    """The checkpoint folder of ``step``, verified (its weights only with ``with_state=False``);
+    :class:`CheckpointError` names what is wrong."""
     folder = checkpoint_dir(run_dir, step)
     if not folder.is_dir():
         have = sorted(s for s, _ in _step_folders(run_dir))
         raise CheckpointError(f"no checkpoint at step {step} in {run_dir}; available steps: {have or 'none'}")
     try:
-        verified = verify_checkpoint(folder)
+        verified = verify_checkpoint(folder, with_state=with_state)
     except CheckpointError as exc:
         raise CheckpointError(f"checkpoint step {step} ({folder}) is bad: {exc}") from None
     if not verified and warn is not None:
@@ -239,8 +279,10 @@ def save_checkpoint(
 ) -> Path:
     """Write the checkpoint of ``step`` atomically and return its folder.
 
-    ``model`` is a module, or (for a sharded model) its gathered full state dict.
+    ``model`` is a module, or (for a sharded model) its gathered full state dict; ``train_state``
+    is anything :func:`~aah.train.state_codec.encode` stores.
     """
+    structure, tensors = encode(train_state)
     final = checkpoint_dir(run_dir, step)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
@@ -252,7 +294,8 @@ def save_checkpoint(
             save_file(_without_shared(model), str(tmp / MODEL_FILE))
         else:
             save_model(model, str(tmp / MODEL_FILE))
-        torch.save(train_state, tmp / STATE_FILE)
+        save_file(tensors, str(tmp / STATE_TENSORS))
+        (tmp / STATE_JSON).write_text(json.dumps(structure) + "\n")
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -278,23 +321,56 @@ def _read_failure(folder: Path, name: str, exc: BaseException) -> CheckpointErro
     return CheckpointError(f"checkpoint {folder}: {name} cannot be read ({type(exc).__name__}: {exc})")
 
 
-def read_train_state(folder: Path, map_location: str | torch.device = "cpu") -> dict:
-    """The training state of a checkpoint (:class:`CheckpointError` if it cannot be read)."""
-    path = Path(folder) / STATE_FILE
+def read_train_state(folder: Path, *, trust_pickled_state: bool = False) -> dict:
+    """The training state of a checkpoint, on CPU, read without unpickling anything.
+
+    A state that an older version pickled (``train_state.pt``) raises :class:`PickledStateError`
+    unless ``trust_pickled_state``: unpickling runs whatever code the file holds. Files that cannot
+    be read, or do not describe a state, raise :class:`CheckpointError` naming the file.
+    """
+    folder = Path(folder)
+    if _state_files(os.listdir(folder)) == [PICKLED_STATE_FILE]:
+        return _read_pickled_state(folder, trust_pickled_state)
+    for name in (STATE_JSON, STATE_TENSORS):
+        if not (folder / name).is_file():
+            raise CheckpointError(f"checkpoint {folder}: {name} is missing")
     try:
-        return torch.load(path, map_location=map_location, weights_only=False)
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {folder}: {STATE_FILE} is missing") from None
+        structure = json.loads((folder / STATE_JSON).read_text())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise _read_failure(folder, STATE_JSON, exc) from None
+    try:
+        tensors = load_file(str(folder / STATE_TENSORS))
+    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
+        raise _read_failure(folder, STATE_TENSORS, exc) from None
+    try:
+        state = decode(structure, tensors)
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise CheckpointError(f"checkpoint {folder}: {STATE_JSON} does not fit {STATE_TENSORS} ({exc})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {folder}: {STATE_JSON} does not hold a JSON object")
+    return state
+
+
+def _read_pickled_state(folder: Path, trusted: bool) -> dict:
+    path = folder / PICKLED_STATE_FILE
+    if not trusted:
+        raise PickledStateError(
+            f"{path} is an older version's pickled training state: reading it would unpickle it, which can "
+            "run any code it holds; if you trust whoever wrote this run folder, resume with --trust-pickled-state "
+            "(the next checkpoint is saved without pickle)"
+        )
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as exc:  # a damaged pickle raises anything from EOFError to UnpicklingError
-        raise _read_failure(folder, STATE_FILE, exc) from None
+        raise _read_failure(folder, PICKLED_STATE_FILE, exc) from None
 
 
-def load_checkpoint(folder: Path, model: torch.nn.Module, *, map_location: str | torch.device = "cpu") -> dict:
-    """Load weights (and AAH state) into ``model``; return the saved training state.
+def load_weights(folder: Path, model: torch.nn.Module, *, map_location: str | torch.device = "cpu") -> None:
+    """Load a checkpoint's weights (and AAH state) into ``model``: all that evaluation needs.
 
     The caller verifies the folder first (:func:`newest_good_checkpoint`, :func:`checkpoint_at`);
-    files that still fail to read (an unverified older checkpoint) raise :class:`CheckpointError`,
-    and a checkpoint of another model shape raises :class:`CheckpointError` naming the keys.
+    a file that still fails to read (an unverified older checkpoint) or a checkpoint of another
+    model shape raises :class:`CheckpointError`.
     """
     folder = Path(folder)
     if not (folder / MODEL_FILE).is_file():
@@ -310,7 +386,17 @@ def load_checkpoint(folder: Path, model: torch.nn.Module, *, map_location: str |
         raise CheckpointError(
             f"checkpoint {folder} does not fit the model: missing {real_missing[:5]}, unexpected {unexpected[:5]}"
         )
-    return read_train_state(folder, map_location)
+
+
+def load_checkpoint(
+    folder: Path, model: torch.nn.Module, *, map_location: str | torch.device = "cpu",
+    trust_pickled_state: bool = False,
+) -> dict:
+    """Load weights into ``model`` (:func:`load_weights`) and return the training state
+    (:func:`read_train_state`, read first, so a refused state leaves the model untouched)."""
+    state = read_train_state(folder, trust_pickled_state=trust_pickled_state)
+    load_weights(folder, model, map_location=map_location)
+    return state
 
 
 def _without_shared(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -347,8 +433,11 @@ def full_state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
     return weights, get_optimizer_state_dict(model, optimizer, options=options)
 
 
-def load_sharded_checkpoint(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """Load a checkpoint into an FSDP2-sharded model and its optimizer (every rank calls it)."""
+def load_sharded_checkpoint(
+    folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, trust_pickled_state: bool = False
+) -> dict:
+    """Load a checkpoint into an FSDP2-sharded model and its optimizer (every rank calls it);
+    return the training state (see :func:`read_train_state`)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
@@ -356,11 +445,11 @@ def load_sharded_checkpoint(folder: Path, model: torch.nn.Module, optimizer: tor
     )
 
     folder = Path(folder)
+    state = read_train_state(folder, trust_pickled_state=trust_pickled_state)
     try:
         weights = load_file(str(folder / MODEL_FILE))
     except (OSError, ValueError, SafetensorError) as exc:
         raise _read_failure(folder, MODEL_FILE, exc) from None
-    state = read_train_state(folder)
     options = StateDictOptions(full_state_dict=True, strict=False)
     set_model_state_dict(model, weights, options=options)
     # set_model_state_dict goes through load_state_dict, so the controllers' load hooks run.

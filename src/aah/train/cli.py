@@ -27,6 +27,11 @@ def add_commands(subparsers) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides such as train.max_steps=50")
     p.add_argument("--out", metavar="DIR", help="run folder (default: <train.out_dir>/<regime>-seed<seed>-<time>)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint")
+    p.add_argument(
+        "--trust-pickled-state", action="store_true",
+        help="with --resume: read a training state that an older version pickled (train_state.pt); "
+        "unpickling runs any code the file holds, so only for run folders you trust",
+    )
     p.set_defaults(func=_run)
 
 
@@ -36,7 +41,7 @@ def _run(args: argparse.Namespace) -> int:
     checkpoint write exits with status 1, an interrupted one with 130."""
     try:
         cfg, run_dir = _config_and_run_dir(args)
-        result = train(cfg, run_dir, resume=bool(args.resume))
+        result = train(cfg, run_dir, resume=bool(args.resume), trust_pickled_state=args.trust_pickled_state)
     except TrainingStopped as exc:
         print(f"aah train: {exc}", file=sys.stderr)
         return 1
@@ -48,6 +53,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _config_and_run_dir(args: argparse.Namespace) -> tuple[RunConfig, Path]:
+    if args.trust_pickled_state and not args.resume:
+        raise ConfigError("--trust-pickled-state goes with --resume RUN_DIR")
     if args.resume:
         if args.config or args.overrides:
             raise ConfigError("--resume takes the run folder's own config; give no CONFIG or overrides")

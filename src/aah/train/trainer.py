@@ -34,6 +34,7 @@ from ..evaluate.core import validation_loss
 from ..evaluate.recall import is_recall, recall_metrics
 from ..model import GPT
 from .checkpoint import (
+    STATE_JSON,
     CheckpointError,
     full_state_dicts,
     load_checkpoint,
@@ -147,12 +148,18 @@ def _checkpoint_steps(cfg: RunConfig) -> set[int]:
     return steps
 
 
-def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False) -> TrainResult:
-    """Train (or resume) the run in ``run_dir`` according to ``cfg``."""
+def train(
+    cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, trust_pickled_state: bool = False
+) -> TrainResult:
+    """Train (or resume) the run in ``run_dir`` according to ``cfg``.
+
+    A resume refuses a training state that an older version pickled (``train_state.pt``) unless
+    ``trust_pickled_state``: unpickling runs whatever code the file holds.
+    """
     run_dir = Path(run_dir)
     info = init_distributed("cuda" if cfg.train.device != "cpu" and torch.cuda.is_available() else "cpu")
     try:
-        result = _Training(cfg, run_dir, info, resume).run()
+        result = _Training(cfg, run_dir, info, resume, trust_pickled_state).run()
         barrier(info)  # rank 0 may still be writing its checkpoint: leave together
         return result
     finally:
@@ -160,8 +167,9 @@ def train(cfg: RunConfig, run_dir: str | Path, *, resume: bool = False) -> Train
 
 
 class _Training:
-    def __init__(self, cfg: RunConfig, run_dir: Path, info: DistInfo, resume: bool):
+    def __init__(self, cfg: RunConfig, run_dir: Path, info: DistInfo, resume: bool, trust_pickled_state: bool):
         self.cfg, self.run_dir, self.info = cfg, run_dir, info
+        self.trust_pickled_state = trust_pickled_state
         # FSDP2 shards the weights over ranks: checkpoints gather a full state dict first.
         self.sharded = info.enabled and cfg.train.distributed == "fsdp"
         self.device = resolve_device(cfg.train.device, info.local_rank)
@@ -249,16 +257,24 @@ class _Training:
         if isinstance(choice, str):
             raise CheckpointError(choice)
         step, folder = choice[0], Path(choice[1])
+        trust = self.trust_pickled_state
         if self.sharded:
-            state = load_sharded_checkpoint(folder, self.model, self.optimizer)
+            state = load_sharded_checkpoint(folder, self.model, self.optimizer, trust_pickled_state=trust)
         else:
-            state = load_checkpoint(folder, self.model, map_location=self.device)
-            self.optimizer.load_state_dict(state["optimizer"])
-        self.data.train.load_state_dict(state["data"])
-        self._restore_rng(state)
+            state = load_checkpoint(folder, self.model, map_location=self.device, trust_pickled_state=trust)
+        try:
+            if not self.sharded:
+                self.optimizer.load_state_dict(state["optimizer"])
+            self.data.train.load_state_dict(state["data"])
+            self._restore_rng(state)
+            self.train_time = float(state.get("train_time", 0.0))
+            self.last_logged_windows = state.get("last_logged_windows", self.last_logged_windows)
+        except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as exc:
+            raise CheckpointError(
+                f"checkpoint {folder}: {STATE_JSON} does not hold this run's training state "
+                f"({type(exc).__name__}: {exc})".splitlines()[0]
+            ) from None
         self.step = step
-        self.train_time = state.get("train_time", 0.0)
-        self.last_logged_windows = state.get("last_logged_windows", self.last_logged_windows)
         if self.info.is_main:
             machines = machines_with(read_meta(self.run_dir).get("machines", []), self.device)
             update_meta(self.run_dir, status="running", resumed_from=step, end_time=None,
