@@ -89,7 +89,8 @@ def _check_options(args: argparse.Namespace) -> None:
 
 
 def _checkpoint_folder(run_dir: Path, checkpoint: int | None, warn: Callable[[str], None]) -> tuple[int, Path]:
-    """(step, folder) of the checkpoint to load, verified against its manifest.
+    """(step, folder) of the checkpoint to load, its weights verified against the manifest
+    (generation never reads the training state).
 
     Without ``checkpoint`` the newest checkpoint that verifies, each newer bad one named
     through ``warn``; a named ``checkpoint`` that is missing or bad is an error, not a fallback.
@@ -98,9 +99,9 @@ def _checkpoint_folder(run_dir: Path, checkpoint: int | None, warn: Callable[[st
 
     try:
         if checkpoint is None:
-            step, folder, _ = newest_good_checkpoint(run_dir, warn=warn)
+            step, folder, _ = newest_good_checkpoint(run_dir, warn=warn, with_state=False)
             return step, folder
-        return checkpoint, checkpoint_at(run_dir, checkpoint, warn=warn)
+        return checkpoint, checkpoint_at(run_dir, checkpoint, warn=warn, with_state=False)
     except CheckpointError as exc:
         raise CLIError(str(exc)) from None
 
@@ -112,7 +113,7 @@ def _load(run_dir: Path, checkpoint: int | None, device: str, warn: Callable[[st
     """
     from ..config import ConfigError, load_config
     from ..data.tokenizers import get_tokenizer
-    from ..train.checkpoint import CheckpointError, load_checkpoint
+    from ..train.checkpoint import CheckpointError, load_weights
     from ..train.setup import model_from_config
 
     if not run_dir.is_dir():
@@ -134,7 +135,7 @@ def _load(run_dir: Path, checkpoint: int | None, device: str, warn: Callable[[st
         raise CLIError(f"cannot build the run's tokenizer {d.tokenizer!r}: {exc}") from None
     model = model_from_config(cfg, tokenizer.vocab_size)
     try:
-        load_checkpoint(folder, model, map_location="cpu")
+        load_weights(folder, model, map_location="cpu")
     except CheckpointError as exc:
         raise CLIError(f"checkpoint at step {step}: {exc}".splitlines()[0]) from None
     except Exception as exc:  # a damaged checkpoint: any reader error is the user's to fix

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ..backends import executed_coverage
 from ..config import load_config
 from ..model import GPT
-from ..train.checkpoint import checkpoint_at, load_checkpoint, newest_good_checkpoint
+from ..train.checkpoint import checkpoint_at, load_weights, newest_good_checkpoint
 from ..train.distributed import DistInfo
 from ..train.run_dir import write_json_atomic
 from ..train.setup import (
@@ -109,7 +109,8 @@ def evaluate_run(
 ) -> dict:
     """Evaluate a checkpoint of ``run_dir`` and (by default) write ``eval.json``.
 
-    Without ``checkpoint`` the newest checkpoint that verifies is used; newer ones that do not
+    Only the config and the weights are read, never the training state. Without
+    ``checkpoint`` the newest checkpoint whose weights verify is used; newer ones that do not
     are named on stderr and listed under ``skipped_checkpoints``. A ``checkpoint`` step that is
     missing or bad raises :class:`~aah.train.checkpoint.CheckpointError`.
     """
@@ -119,13 +120,13 @@ def evaluate_run(
     cfg = load_config(run_dir / "config.yaml")
     skipped: list[dict] = []
     if checkpoint is None:
-        step, folder, skipped = newest_good_checkpoint(run_dir)
+        step, folder, skipped = newest_good_checkpoint(run_dir, with_state=False)
     else:
-        step, folder = checkpoint, checkpoint_at(run_dir, checkpoint)
+        step, folder = checkpoint, checkpoint_at(run_dir, checkpoint, with_state=False)
     dev = resolve_device(device if device is not None else cfg.train.device)
     data = data_from_config(cfg, corpus=corpus, verbose=False)
     model = model_from_config(cfg, data.tokenizer.vocab_size)
-    load_checkpoint(folder, model, map_location="cpu")
+    load_weights(folder, model, map_location="cpu")
     model.to(dev)
     seq_len = cfg.data.seq_len
     batches = max_batches if max_batches is not None else cfg.eval.batches
