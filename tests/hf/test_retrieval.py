@@ -233,7 +233,8 @@ def test_retrieval_answers_journal_resumes_a_stopped_run(model_dir, tmp_path, mo
             "--depths", "0.1,0.9", "--trials", "1", "--settings", "full,aah", "--answers", str(journal)]
     first, second = tmp_path / "a.json", tmp_path / "b.json"
     assert main([*base, "--windows-file", str(model_dir / "w.safetensors"), "--json", str(first)]) == 0
-    assert len(journal.read_text().splitlines()) == 4  # 2 samples x 2 settings, written as they came
+    lines = journal.read_text().splitlines()
+    assert len(lines) == 5 and set(json.loads(lines[0])) == {"model"}  # the model, then 2 samples x 2 settings
     # a crash mid-write leaves a cut line; the run after it decodes nothing again
     with journal.open("a") as fh:
         fh.write('{"key": "cut sho')
@@ -260,6 +261,47 @@ def test_retrieval_answers_journal_resumes_a_stopped_run(model_dir, tmp_path, mo
     with pytest.raises(AssertionError, match="decoded again"):
         main([*base, "--windows-file", str(model_dir / "w.safetensors"), "--sink-tokens", "64"])
     capsys.readouterr()
+
+
+def test_retrieval_journal_is_refused_once_new_weights_are_saved_under_the_same_path(model_dir, tmp_path, capsys):
+    """The journal names the model's content, not its path: other weights saved into the same
+    folder make a run refuse the journal (exit 2, one line naming it), and nothing is reused."""
+    import shutil
+
+    from aah.hf.evaluation.retrieval import model_key
+
+    folder = tmp_path / "model"
+    shutil.copytree(model_dir / "model", folder)
+    assert model_key(folder) == model_key(model_dir / "model")  # the content, wherever it lies
+    journal = tmp_path / "answers.jsonl"
+    argv = ["hf", "retrieval", str(folder), "--windows-file", str(model_dir / "w.safetensors"), "--tasks", "passkey",
+            "--lengths", "350", "--depths", "0.5", "--trials", "1", "--settings", "full", "--answers", str(journal),
+            "--json", str(tmp_path / "r.json")]
+    assert main(argv) == 0
+    kept = journal.read_text()
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1.0)
+    model.save_pretrained(folder)
+    capsys.readouterr()
+    assert main(argv) == 2
+    (err,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("aah ")]  # one line
+    assert str(journal) in err
+    assert "written for another model" in err and f"content of {folder} changed" in err and "start over" in err
+    assert journal.read_text() == kept
+
+
+def test_retrieval_journal_without_a_model_line_is_refused(model_dir, tmp_path, capsys):
+    """A journal written before journals named their model cannot be vouched for: refused, saying how to start over."""
+    journal = tmp_path / "answers.jsonl"
+    journal.write_text(json.dumps({"key": "0123456789abcdef|full|0123", "text": "71432"}) + "\n")
+    argv = ["hf", "retrieval", str(model_dir / "model"), "--windows-file", str(model_dir / "w.safetensors"),
+            "--lengths", "350", "--depths", "0.5", "--trials", "1", "--settings", "full",
+            "--answers", str(journal), "--json", str(tmp_path / "r.json")]
+    assert main(argv) == 2
+    (err,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("aah ")]  # one line
+    assert str(journal) in err
+    assert "does not record which model" in err and "delete it or choose another --answers to start over" in err
 
 
 def test_retrieval_sink_tokens_override_the_windows_file(model_dir, tmp_path, capsys):

@@ -12,7 +12,9 @@ length, by depth and per (length, depth) cell, which the heatmap draws.
 A long run can keep a journal (:class:`AnswerJournal`, ``aah hf retrieval --answers FILE``):
 every answer is appended to it as soon as it is decoded, and a run given the same journal
 reuses the answers already there (same setting, prompt tokens, model and, but for ``full``,
-windows file), so a run that is stopped, crashes or is split by settings loses nothing.
+windows file), so a run that is stopped, crashes or is split by settings loses nothing. A
+journal belongs to one model's content (:func:`model_key`, its first line): new weights saved
+into the same folder make it refused, never reused.
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ...errors import CLIError
+from ...train.checkpoint import sha256_file
 from .compare import Setting, last_logits, setting_coverage
 from .tasks import Sample, is_correct
 
-__all__ = ["AnswerJournal", "wilson_interval", "generate_answers", "run_settings", "score", "draw_heatmaps",
+__all__ = ["AnswerJournal", "JournalError", "model_key", "wilson_interval", "generate_answers", "run_settings", "score", "draw_heatmaps",
            "depth_key"]
 
 _Z95 = 1.959963984540054
@@ -66,26 +70,70 @@ def generate_answers(model, setting: Setting, sample: Sample, tokenizer) -> str:
     return tokenizer.decode(out, skip_special_tokens=True)
 
 
-class AnswerJournal:
-    """Answers already decoded, kept in a JSON-lines file: one ``{"key", "text"}`` per line.
+def model_key(folder: str | Path) -> str:
+    """The sha256 of a model folder's content: the name, size and sha256 of each of its files
+    (weights, ``config.json``, tokenizer; hidden files and subfolders aside), every byte read once."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(folder).iterdir()):
+        if path.is_file() and not path.name.startswith("."):
+            digest.update(f"{path.name}\0{path.stat().st_size}\0{sha256_file(path)}\n".encode())
+    return digest.hexdigest()
 
-    An answer's key is what decides it besides the prompt: the ``model_tag`` alone for the
-    ``full`` setting (its answers are reused by runs with other windows files), the
-    ``model_tag`` and the ``windows_tag`` for the others; then the setting's name and a digest
-    of the sample's prompt tokens and answer length. A line cut short by a crash is ignored.
+
+class JournalError(CLIError):
+    """An answers journal that belongs to another model, or does not say which; one line, naming it."""
+
+
+class AnswerJournal:
+    """Answers already decoded, kept in a JSON-lines file.
+
+    The first line, ``{"model": <model_key>}``, names the content of the model folder the answers
+    came from; every other line is one answer, ``{"key", "text"}``. An answer's key is what decides
+    it besides the model: the ``model_tag`` alone for the ``full`` setting (its answers are
+    reused by runs with other windows files), the ``model_tag`` and the ``windows_tag`` for the
+    others; then the setting's name and a digest of the sample's prompt tokens and answer
+    length. A line cut short by a crash is ignored. :meth:`bind` (which :func:`run_settings`
+    calls with the model's folder) refuses a journal of another model's content, and one
+    written before journals named their model.
     """
 
     def __init__(self, path: str | Path, model_tag: str, windows_tag: str) -> None:
         self.path, self.model_tag, self.windows_tag = Path(path), model_tag, windows_tag
         self.done: dict[str, str] = {}
-        if self.path.exists():
-            for line in self.path.read_text().splitlines():
-                try:
-                    entry = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(entry, dict) and isinstance(entry.get("text"), str):
-                    self.done[str(entry.get("key"))] = entry["text"]
+        self.model: str | None = None  # the model_key the journal was written for
+        self.bound: Path | None = None
+        lines = self.path.read_text().splitlines() if self.path.exists() else []
+        for index, line in enumerate(lines):
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if index == 0 and isinstance(entry, dict) and isinstance(entry.get("model"), str):
+                self.model = entry["model"]
+            elif isinstance(entry, dict) and isinstance(entry.get("text"), str):
+                self.done[str(entry.get("key"))] = entry["text"]
+
+    def bind(self, model_dir: str | Path | None) -> None:
+        """Tie the journal to the content of ``model_dir``: a new journal records it, one written
+        for other content (or for an unnamed model) raises :class:`JournalError`."""
+        if self.bound is not None and self.bound == Path(model_dir or ""):
+            return
+        start_over = "delete it or choose another --answers to start over"
+        if not model_dir or not Path(model_dir).is_dir():
+            raise JournalError(f"answers journal {self.path}: the model has no folder to identify it by "
+                               f"({model_dir!r})")
+        if self.model is None and self.done:
+            raise JournalError(f"answers journal {self.path} does not record which model it was written for "
+                               f"(an older journal); {start_over}")
+        folder = Path(model_dir)
+        key = model_key(folder)
+        if self.model is not None and self.model != key:
+            raise JournalError(f"answers journal {self.path} was written for another model: the content of "
+                               f"{folder} changed since; {start_over}")
+        if self.model is None:
+            self.path.write_text(json.dumps({"model": key}) + "\n")
+            self.model = key
+        self.bound = folder
 
     def key(self, setting: str, sample: Sample) -> str:
         prompt = hashlib.sha256(json.dumps([sample.input_ids, sample.max_new_tokens]).encode()).hexdigest()[:20]
@@ -105,7 +153,10 @@ class AnswerJournal:
 def run_settings(model, tokenizer, settings: Sequence[Setting], samples: Sequence[Sample],
                  *, progress: bool = True, journal: AnswerJournal | None = None) -> dict[str, list[str]]:
     """``{setting name: [output text of each sample]}``; the model is left unpatched. With a
-    ``journal``, answers found there are reused and new ones are added to it as they come."""
+    ``journal`` (bound first to the model's folder, ``model.name_or_path``), answers found there
+    are reused and new ones are added to it as they come."""
+    if journal is not None:
+        journal.bind(getattr(model, "name_or_path", None))
     outputs: dict[str, list[str]] = {}
     bar = tqdm(total=len(settings) * len(samples), desc="retrieval", disable=not progress)
     try:
