@@ -11,7 +11,14 @@ from aah.cli import main
 from aah.config import load_config, save_config
 from aah.data.tokenizers import ByteTokenizer
 from aah.decode.generate import generate
-from aah.train.checkpoint import MODEL_FILE, checkpoint_dir, load_checkpoint, save_checkpoint
+from aah.train.checkpoint import (
+    MODEL_FILE,
+    STATE_JSON,
+    STATE_TENSORS,
+    checkpoint_dir,
+    load_weights,
+    save_checkpoint,
+)
 from aah.train.setup import model_from_config
 
 SEQ_LEN = 32
@@ -49,7 +56,7 @@ def _generate(run: Path, *args: str) -> list[str]:
 def _expected(run: Path, step: int, prompt: str, n: int) -> str:
     cfg = load_config(run / "config.yaml")
     model = model_from_config(cfg, 256)
-    load_checkpoint(checkpoint_dir(run, step), model)
+    load_weights(checkpoint_dir(run, step), model)
     ids = torch.tensor(ByteTokenizer().encode(prompt))
     return ByteTokenizer().decode(generate(model, ids, n, use_cache=False).tolist())
 
@@ -198,3 +205,16 @@ def test_no_checkpoint_that_verifies_is_an_error_after_the_warnings(run_dir: Pat
     # As for aah eval: one warning per skipped checkpoint, then the one-line error.
     assert [line.split(" (")[0] for line in lines[:2]] == ["skipping checkpoint step 6", "skipping checkpoint step 3"]
     assert len(lines) == 3 and lines[2].startswith("aah generate: no checkpoint of") and "verifies" in lines[2]
+
+
+def test_generation_never_reads_the_training_state(run_dir: Path, tmp_path: Path, capsys) -> None:
+    import shutil
+
+    run = tmp_path / "no_state"
+    shutil.copytree(run_dir, run)
+    (checkpoint_dir(run, 6) / STATE_JSON).unlink()
+    (checkpoint_dir(run, 6) / STATE_TENSORS).write_bytes(b"not a tensor file")
+    assert main(_generate(run, "--prompt", "To be", "--new-tokens", "6", "--temperature", "0")) == 0
+    out, err = capsys.readouterr()
+    assert out == _expected(run_dir, 6, "To be", 6) + "\n"
+    assert "skipping" not in err

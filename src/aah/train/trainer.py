@@ -269,7 +269,7 @@ class _Training:
             self._restore_rng(state)
             self.train_time = float(state.get("train_time", 0.0))
             self.last_logged_windows = state.get("last_logged_windows", self.last_logged_windows)
-        except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as exc:
+        except (AttributeError, KeyError, TypeError, ValueError, IndexError, RuntimeError) as exc:
             raise CheckpointError(
                 f"checkpoint {folder}: {STATE_JSON} does not hold this run's training state "
                 f"({type(exc).__name__}: {exc})".splitlines()[0]
