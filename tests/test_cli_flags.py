@@ -97,14 +97,34 @@ def _one_line(capsys, argv) -> str:
     ("--new-tokens", ["bench", "decode"], ["0", "x", "-2"], "an int >= 1"),
     ("--decode-batch", ["hf", "eval", "m"], ["0", "x"], "an int >= 1"),
     ("--windows", ["bench", "train"], ["4,x", "4,,8", "0,8", "", "-3", "8;16"], "comma-separated list of positive ints"),
-    ("--windows-file", ["hf", "retrieval", "m"], ["no/such/file.safetensors"], "an existing windows file"),
-    ("--json", ["bench", "attention"], ["", "no/such/folder/out.json"], "--json FILE"),
 ])
 def test_bad_values_are_one_line_naming_the_flag_and_what_it_takes(capsys, flag, command, bad, takes):
     for value in bad:
         line = _one_line(capsys, [*command, f"{flag}={value}"])
         assert line.startswith(f"aah {' '.join(c for c in command if c != 'm')}: {flag} takes ")
         assert takes in line and repr(value) in line
+
+
+def test_a_missing_or_folder_windows_file_is_named_before_any_work(capsys, tmp_path):
+    for value, problem in (("no/such/file.safetensors", "no file no/such/file.safetensors"),
+                           (str(tmp_path), f"{tmp_path} is a directory, not a file")):
+        line = _one_line(capsys, ["hf", "retrieval", "m", "--windows-file", value])
+        assert line.startswith("aah hf retrieval: --windows-file: ") and problem in line
+
+
+@pytest.mark.parametrize(("flag", "command", "value", "problem"), [
+    ("--json", ["bench", "attention"], "no/such/folder/out.json", "no folder no/such/folder"),
+    ("--json", ["bench", "decode"], ".", "it is a directory"),
+    ("--json", ["bench", "train"], "README.md/out.json", "no folder README.md"),
+    ("--heatmap", ["hf", "retrieval", "m", "--windows-file", "README.md"], "out.gif", "its suffix must be one of .png, .pdf, .svg"),
+    ("--answers", ["hf", "retrieval", "m", "--windows-file", "README.md"], "docs", "it is a directory"),
+    ("--out", ["hf", "calibrate", "m"], "docs", "it is a directory"),
+    ("--out", ["report", "docs"], "README.md", "it is a file, not a folder"),
+    ("--out", ["bench", "grid"], "no/such/folder/grid.json", "no folder no/such/folder"),
+])
+def test_outputs_that_cannot_be_written_are_refused_before_any_work(capsys, flag, command, value, problem):
+    line = _one_line(capsys, [*command, flag, value])
+    assert line.endswith(f"{flag}: cannot write {value!r}: {problem}")
 
 
 @pytest.mark.parametrize("command", [["hf", "eval", "m"], ["hf", "retrieval", "m"], ["bench", "vllm", "m"]])

@@ -8,6 +8,12 @@
 - ``--new-tokens N``: tokens generated after each prompt, an int >= 1 (default 32);
 - ``--decode-batch N``: prompts decoded together, an int >= 1 (default 4).
 
+Every path a command will write (``--json``, ``--out``, ``--heatmap``, ``--answers``,
+``--records``) is checked while the command line is read, before any work starts
+(:func:`add_output`): the folder it goes in exists and may be written, a file is not a
+directory (nor a folder a file), and a file's suffix is one the command can write. So a long run
+is never thrown away at its last step.
+
 A command adds a flag with its ``add_*`` function. The flag's ``type`` callable parses and checks
 the text while argparse reads the command line; a bad value raises :class:`FlagError`, a
 :class:`~aah.errors.CLIError` that :func:`aah.cli.main` prints as one line (the command, the
@@ -23,15 +29,16 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .errors import CLIError
 from .hf.bridge.spec import DEFAULT_SINK_TOKENS
 
 __all__ = [
-    "DEFAULTS", "FlagError", "add_decode_batch", "add_json", "add_new_tokens", "add_seq_len",
-    "add_sink_tokens", "add_windows", "add_windows_file", "refuse", "write_json",
+    "DEFAULTS", "FlagError", "add_decode_batch", "add_json", "add_new_tokens", "add_output", "add_seq_len",
+    "add_sink_tokens", "add_windows", "add_windows_file", "existing_file", "output_problem", "refuse", "write_json",
 ]
 
 #: The default of each shared flag (``--windows-file`` is required; ``--windows`` and ``--json`` are off).
@@ -81,16 +88,55 @@ def _windows(text: str) -> tuple[int, ...]:
     return tuple(_int_at_least(1)(w) for w in text.split(","))
 
 
-def _existing_file(text: str) -> str:
-    if not Path(text).is_file():
-        raise ValueError(text)
+def existing_file(flag: str, text: str) -> str:
+    """``text`` if it names a readable file; else ``CLIError`` saying it is missing or a directory."""
+    path = Path(text)
+    if path.is_dir():
+        raise CLIError(f"{flag}: {text} is a directory, not a file")
+    if not path.is_file():
+        raise CLIError(f"{flag}: no file {text}")
     return text
 
 
-def _json_file(text: str) -> str:
-    if text != "-" and not (text and Path(text).parent.is_dir()):
-        raise ValueError(text)
-    return text
+def output_problem(text: str, *, folder: bool = False, suffixes: Sequence[str] = ()) -> str | None:
+    """Why ``text`` cannot be written as a file (or, with ``folder``, made a folder), or ``None``."""
+    path = Path(text)
+    if not text:
+        return "no path given"
+    if folder:
+        if path.exists() and not path.is_dir():
+            return "it is a file, not a folder"
+        parent = next(p for p in (path, *path.parents) if p.exists())  # the nearest folder that exists
+        if not parent.is_dir():
+            return f"{parent} is a file, not a folder"
+    else:
+        if path.is_dir():
+            return "it is a directory"
+        if suffixes and path.suffix.lower() not in suffixes:
+            return f"its suffix must be one of {', '.join(suffixes)}"
+        parent = path.parent
+        if not parent.is_dir():
+            return f"no folder {parent}"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"the folder {parent} cannot be written"
+    return None
+
+
+def add_output(parser, flag: str, *, folder: bool = False, suffixes: Sequence[str] = (), stdout: bool = False,
+               bare: str | None = None, **kwargs) -> None:
+    """Add ``flag``, a path the command writes, checked before any work (see the module docstring).
+    ``stdout``: ``-`` means standard output; ``bare``: the message for the flag given no path."""
+
+    def checked(text: str) -> str:
+        if bare is not None and text == "":
+            raise FlagError(parser.prog, bare)
+        problem = None if stdout and text == "-" else output_problem(text, folder=folder, suffixes=suffixes)
+        if problem is not None:
+            raise FlagError(parser.prog, f"{flag}: cannot write {text!r}: {problem}")
+        return text
+
+    checked.flag = flag
+    parser.add_argument(flag, type=checked, **kwargs)
 
 
 def _add_int(parser, flag: str, least: int, meaning: str, default: int | None, help: str | None, metavar="N"):
@@ -100,8 +146,15 @@ def _add_int(parser, flag: str, least: int, meaning: str, default: int | None, h
 
 def add_windows_file(parser) -> None:
     """``--windows-file FILE`` (required), and the old ``--windows FILE`` refused with the new name."""
-    _add(parser, "--windows-file", _existing_file, "an existing windows file (written by aah hf calibrate)",
-         required=True, metavar="FILE", help="windows file written by aah hf calibrate")
+    def windows_file(text: str) -> str:
+        try:
+            return existing_file("--windows-file", text)
+        except CLIError as exc:
+            raise FlagError(parser.prog, f"{exc} (a windows file written by aah hf calibrate)") from None
+
+    windows_file.flag = "--windows-file"
+    parser.add_argument("--windows-file", type=windows_file, required=True, metavar="FILE",
+                        help="windows file written by aah hf calibrate")
     refuse(parser, "--windows", f"--windows takes a comma list of windows now, which {parser.prog} does not; "
                                 "pass the windows file as --windows-file FILE")
 
@@ -114,9 +167,9 @@ def add_windows(parser, *, into=None) -> None:
 
 def add_json(parser) -> None:
     """``--json FILE``, ``-`` for stdout; a bare ``--json`` (its old spelling) is refused."""
-    _add(parser, "--json", _json_file, "FILE, as --json FILE (a file in an existing folder) or --json - (stdout)",
-         nargs="?", const="", metavar="FILE",
-         help="also write the results as JSON to FILE ('-': print the JSON alone on stdout)")
+    add_output(parser, "--json", stdout=True, nargs="?", const="", metavar="FILE",
+               bare="--json takes FILE, as --json FILE (a file in an existing folder) or --json - (stdout)",
+               help="also write the results as JSON to FILE ('-': print the JSON alone on stdout)")
 
 
 def add_sink_tokens(parser, *, default: int | None = DEFAULTS["--sink-tokens"], help: str | None = None) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .cli_flags import add_output
 from .experiment.cli import run_experiment
 
 DEFAULT_SUITE = Path("configs/suites/cpu/quick.yaml")
@@ -17,5 +18,5 @@ DEFAULT_SUITE = Path("configs/suites/cpu/quick.yaml")
 def add_commands(subparsers) -> None:
     p = subparsers.add_parser("demo", help="run the quick suite on Shakespeare and print the report's table")
     p.add_argument("--suite", default=str(DEFAULT_SUITE), help=f"suite file (default {DEFAULT_SUITE})")
-    p.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
+    add_output(p, "--out", folder=True, default="runs/demo", help="output folder (default runs/demo)")
     p.set_defaults(func=lambda args: run_experiment(args.suite, args.out, None, 1))

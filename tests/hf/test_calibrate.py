@@ -398,7 +398,7 @@ def test_hf_command_errors_are_one_line(tiny_model_dir, tmp_path, capsys):
                                                "causal_coverage": 0.1})
     assert "calibrated for" in _error(
         ["hf", "eval", str(model_dir), "--windows-file", str(other), *base, "--seq-len", "64"], capsys)
-    assert "--windows-file takes an existing windows file" in _error(
+    assert "--windows-file: no file" in _error(
         ["hf", "eval", str(model_dir), "--windows-file", str(tmp_path / "none"), *base, "--seq-len", "64"], capsys)
 
 
@@ -613,3 +613,32 @@ def test_calibrate_command_with_kl_retrieval(tiny_model_dir, tmp_path, capsys):
     plain_kl = [a if a != "kl_retrieval" else "kl" for a in base]
     assert "--retrieval-reserve needs --policy budgeted --measure kl_retrieval" in _error(
         [*plain_kl, "--retrieval-reserve", "0.1", "--out", "x"], capsys)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+@pytest.mark.parametrize("command", ["calibrate", "eval", "retrieval"])
+def test_every_hf_command_refuses_an_unsupported_model_in_one_line(tiny_model_dir, tmp_path, capsys, family, command):
+    """A causal LM the bridge cannot patch (GPT-2's fused projections; BERT as a decoder) is one
+    line before any work, in every command, not a traceback after the weights load."""
+    model_dir, corpus = tiny_model_dir
+    folder = tmp_path / family
+    if family == "gpt2":
+        config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128)
+        transformers.GPT2LMHeadModel(config).save_pretrained(folder)
+    else:
+        config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                         intermediate_size=64, max_position_embeddings=128, is_decoder=True)
+        transformers.BertLMHeadModel(config).save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(model_dir).save_pretrained(folder)
+    meta = {"model": model_signature(_llama()), "seq_len": 64, "policy": "uniform", "budget": 0.5, "sink_tokens": 0,
+            "acr": 0.5, "causal_coverage": 0.5}
+    windows = save_windows(tmp_path / "w.safetensors", torch.full((2, 4), 8), meta)
+    argv = {
+        "calibrate": ["--seq-len", "64", "--corpus", str(corpus), "--policy", "aah_v3",
+                      "--out", str(tmp_path / "out.safetensors")],
+        "eval": ["--seq-len", "64", "--corpus", str(corpus), "--windows-file", str(windows)],
+        "retrieval": ["--windows-file", str(windows), "--lengths", "64"],
+    }[command]
+    capsys.readouterr()  # what saving the folders printed
+    line = _error(["hf", command, str(folder), *argv], capsys)
+    assert str(folder) in line and "aah.hf supports decoder-only causal LMs" in line

@@ -418,5 +418,5 @@ def test_retrieval_command_refuses_bad_input(model_dir, capsys):
                                                 "--kept-pool", "4"], capsys)
     assert "max_position_embeddings" in _error([*base, "--lengths", "4096"], capsys)
     assert "cannot hold" in _error([*base, "--lengths", "60"], capsys)
-    assert "--windows-file takes an existing windows file" in _error(
+    assert "--windows-file: no file nope.safetensors" in _error(
         [*base[:-1], "nope.safetensors", "--lengths", "400"], capsys)

@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..cli_flags import add_output
 from ..errors import CLIError
 from .attention import MIXES, bench_attention
 from .train import bench_train
@@ -248,7 +249,7 @@ def add_command(bench_subparsers) -> None:
                         "(default 32, the CPU config; 'none' for attention only)")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds per attention call (default 5)")
     p.add_argument("--train-repeats", type=int, default=6, help="timed rounds per training step (default 6)")
-    p.add_argument("--out", default="bench_grid.json", help="JSON output (default bench_grid.json; the "
+    add_output(p, "--out", suffixes=(".json",), default="bench_grid.json", help="JSON output (default bench_grid.json; the "
                    "markdown table goes next to it with suffix .md)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--resume", action="store_true",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..cli_flags import add_output
 from ..errors import CLIError
 from . import finished_runs, write_report
 from .runs import find_run_dirs, load_runs
@@ -29,8 +30,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         "the training table. RUN_DIR may be a run folder or a folder holding run folders.",
     )
     parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
-    parser.add_argument("--out", type=Path, default=Path("report"), metavar="DIR",
-                        help="output folder (default: ./report)")
+    add_output(parser, "--out", folder=True, default="report", metavar="DIR", help="output folder (default: ./report)")
     parser.add_argument("--include-unfinished", action="store_true",
                         help="average runs that have not completed into the tables and figures too "
                         "(by default they are listed but left out while another run has completed)")
@@ -47,13 +47,11 @@ def run_report(args: argparse.Namespace) -> int:
         names = " ".join(str(p) for p in args.run_dirs)
         raise CLIError(f"no run folders found in {names} "
                        "(a run folder holds meta.json, written when training starts)")
-    if args.out.exists() and not args.out.is_dir():
-        raise CLIError(f"--out: {args.out} is a file, not a folder")
     every_run, _ = load_runs(run_dirs)
     runs, left_out = finished_runs(every_run, args.include_unfinished)
     print(training_table(runs).to_markdown())
     try:
-        path = write_report(run_dirs, args.out, args.include_unfinished)
+        path = write_report(run_dirs, Path(args.out), args.include_unfinished)
     except PermissionError as exc:
         raise CLIError(f"cannot write the report to {args.out}: {exc}") from None
     counted = f"{len(runs)} of {len(every_run)} run(s) in the tables" if left_out else f"{len(runs)} run(s)"

@@ -11,6 +11,7 @@ from ...cli_flags import (
     add_decode_batch,
     add_json,
     add_new_tokens,
+    add_output,
     add_seq_len,
     add_sink_tokens,
     add_windows_file,
@@ -80,7 +81,8 @@ def add_commands(subparsers) -> None:
         "--candidates", metavar="W1,W2,...",
         help="candidate windows, increasing, each in [1, --seq-len] (default: T/8, T/4, T/2, T)",
     )
-    calibrate.add_argument("--out", required=True, metavar="FILE", help="windows file (.safetensors)")
+    add_output(calibrate, "--out", required=True, metavar="FILE",
+               help="windows file (.safetensors)")
     calibrate.set_defaults(func=calibrate_command)
 
     evaluate = sub.add_parser(

@@ -50,6 +50,7 @@ def load_model_folder(model_dir: str, seq_len: int):
         raise CLIError(f"{folder}: unreadable config: {exc}") from None
     if type(config) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
         raise CLIError(f"{folder} holds a {config.model_type} model, which is not a causal LM")
+    _check_supported(transformers, config, folder)
     limit = getattr(config, "max_position_embeddings", None)
     if limit is not None and seq_len > limit:
         raise CLIError(f"--seq-len {seq_len} must be in [2, {limit}] (max_position_embeddings of the model)")
@@ -69,6 +70,21 @@ def load_model_folder(model_dir: str, seq_len: int):
             raise CLIError(f"{folder}: the weights cannot be loaded ({type(exc).__name__}: {first})") from None
 
     return config, tokenizer, load_model
+
+
+def _check_supported(transformers, config, folder: Path) -> None:
+    """CLIError unless the bridge can patch this architecture: its layers, built on the meta device
+    (no memory, no weights read), have the attention modules :func:`aah.hf.patch` needs."""
+    import torch
+
+    from ..bridge.spec import attention_modules
+
+    try:
+        with torch.device("meta"):
+            skeleton = transformers.AutoModelForCausalLM.from_config(config)
+        attention_modules(skeleton)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise CLIError(f"{folder}: {str(exc).splitlines()[0]}") from None
 
 
 def token_blocks_of(tokenizer, corpus: str, split: str, seq_len: int, count: int):

@@ -7,7 +7,7 @@ import argparse
 import hashlib
 from pathlib import Path
 
-from ...cli_flags import add_json, add_windows_file, write_json
+from ...cli_flags import add_json, add_output, add_windows_file, write_json
 from ...errors import CLIError
 from .models import load_model_folder
 from .setting_flags import add_setting_flags, kept_keys_config, setting_flags
@@ -42,11 +42,11 @@ def add_command(subparsers) -> None:
                    help="which of full, aah, uniform to run (default all three)")
     p.add_argument("--seed", type=int, default=0)
     add_json(p)
-    p.add_argument("--heatmap", metavar="FILE", help="depth x length accuracy heatmaps (PNG)")
+    add_output(p, "--heatmap", suffixes=(".png", ".pdf", ".svg"), metavar="FILE", help="depth x length accuracy heatmaps (PNG)")
     add_setting_flags(p)
-    p.add_argument("--answers", metavar="FILE",
-                   help="keep every answer in FILE (JSON lines) as it is decoded and reuse those already there: "
-                        "a stopped run resumes where it stopped")
+    add_output(p, "--answers", metavar="FILE",
+               help="keep every answer in FILE (JSON lines) as it is decoded and reuse those already there: "
+                    "a stopped run resumes where it stopped")
     p.set_defaults(func=_retrieval)
 
 
@@ -106,9 +106,6 @@ def _retrieval(args: argparse.Namespace) -> int:
         samples = build_samples(tokenizer, tasks, lengths, depths, args.trials, seed=args.seed)
     except ValueError as exc:
         raise CLIError(f"--lengths: {exc}") from None
-    for path in (args.heatmap, args.answers):
-        if path and not Path(path).parent.is_dir():
-            raise CLIError(f"cannot write {path}: no folder {Path(path).parent}")
     model = load_model()
     file_sinks = int(meta["sink_tokens"])
     sinks = file_sinks if sink_tokens is None else sink_tokens
