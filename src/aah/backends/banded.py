@@ -193,11 +193,9 @@ def _strip_mask(
 ) -> torch.Tensor:
     """Additive mask (0 or -inf), shape (count, repeat * rows, width), of a strip whose first
     column is at distance ``first + i * shift + ii`` from row ``ii`` of entry ``i`` (:func:`aah.windows.visible`)."""
-    ii = torch.arange(rows, device=device)[None, :, None]
-    jj = torch.arange(width, device=device)[None, None, :]
-    q_pos = first + torch.arange(count, device=device)[:, None, None] * shift + ii
+    q_pos = first + torch.arange(count, device=device)[:, None, None] * shift + torch.arange(rows, device=device)[:, None]
     mask = torch.zeros(count, rows, width, dtype=dtype, device=device)
-    mask.masked_fill_(~visible(q_pos, jj, window), float("-inf"))
+    mask.masked_fill_(~visible(q_pos, torch.arange(width, device=device), window), float("-inf"))
     return mask.repeat(1, repeat, 1) if repeat > 1 else mask
 
 

@@ -1,4 +1,4 @@
-"""Causal attention cut in halves, so that few causal heads keep every CPU thread busy.
+"""Causal attention (geometry ``j <= i``) cut in halves, so that few causal heads keep every CPU thread busy.
 
 Windowed execution (AAH-v3 paper, section 5.8) leaves small causal calls: a
 lone full-window head, or the causal prefix of a window group with one head
@@ -17,8 +17,7 @@ A causal head of length ``T = 2h`` is exactly
   its queries cut into two heads of ``h / 2`` rows that read the same keys (a
   stride-0 view, no copy).
 
-Geometry: plain causality ``j <= i`` (a head whose window covers the sequence) as two triangles
-and one square. Every call then has an even number of equal items. The two parts of the rows
+Every call then has an even number of equal items. The two parts of the rows
 ``[h, 2h)`` are merged by their log-sum-exps, and each part's backward runs
 with the merged output and log-sum-exp, which gives exactly that part's share
 of the gradients (the rule :mod:`aah.backends.sinks` uses too). The parts

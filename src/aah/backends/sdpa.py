@@ -1,8 +1,7 @@
 """``sdpa``: full causal attention through ``torch.nn.functional.scaled_dot_product_attention``.
 
-The full-attention baseline. Geometry: plain causality ``j <= i``, the rule when every window
-covers the whole sequence; it runs only then, and asking it for local windows is an error, never
-a silent widening.
+The full-attention baseline. Geometry: ``j <= i``, the rule when every window covers the whole
+sequence; it runs only then: asking it for local windows is an error, never a silent widening.
 Sink tokens change nothing there (every key is already visible), so they are
 accepted and ignored.
 """

@@ -67,8 +67,7 @@ def window_output_change(
         windowed = torch.matmul(kept, vf) / kept.sum(-1, keepdim=True)
         out.append(windowed - full)
     change = torch.stack(out, dim=3)
-    wins = torch.tensor([int(w) for w in windows], device=q.device)[:, None, None]
-    cuts = cut_off(pos[:, None], keys, wins).any(-1)  # (K, S)
+    cuts = cut_off(pos[:, None], keys, torch.tensor([int(w) for w in windows], device=q.device)[:, None, None]).any(-1)
     return change * cuts.t().to(change.dtype)[None, None, :, :, None]
 
 
