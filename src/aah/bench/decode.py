@@ -40,11 +40,10 @@ import torch
 
 from ..cli_flags import add_json, add_new_tokens, add_seq_len, add_windows, write_json
 from ..controller import ControllerConfig
-from ..controller.selection import share_within_kv_groups
 from ..decode import ring_decode
 from ..errors import CLIError
 from ..model import GPT, GPTConfig
-from ..windows import acr, candidate_windows, causal_coverage
+from ..windows import acr, candidate_windows, causal_coverage, kv_group_reach
 from .attention import DTYPES, MIXES, mix_windows
 
 __all__ = ["bench_decode", "add_command", "format_table", "GRANULARITIES", "RESULT_KEYS", "TOP_KEYS"]
@@ -64,8 +63,7 @@ def _positive(value: object, option: str) -> int:
 
 def group_windows(windows: Sequence[int], kv_heads: int) -> tuple[int, ...]:
     """``window_granularity="kv_group"`` applied to pinned windows: each KV group takes its largest."""
-    grouped = share_within_kv_groups(torch.tensor(list(windows), dtype=torch.long), kv_heads)
-    return tuple(int(w) for w in grouped)
+    return tuple(w for w in kv_group_reach(windows, kv_heads) for _ in range(len(windows) // kv_heads))
 
 
 # ---------------------------------------------------------------------- peak memory
