@@ -27,7 +27,8 @@ from aah.train.checkpoint import (
 )
 from aah.train.state_codec import decode, encode
 
-TEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune. "
+#: The checkpoints of the shared run (``trained`` in conftest.py).
+STEPS = (4, 8, 12)
 
 
 class Plant:
@@ -38,33 +39,6 @@ class Plant:
 
     def __reduce__(self):
         return (Path.touch, (self.marker,))
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    """A finished 8-step run with dropout and checkpoints at steps 4 and 8."""
-    root = tmp_path_factory.mktemp("untrusted")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    for i in range(4):
-        (corpus / f"doc{i}.txt").write_text(TEXT * 14 + f" part {i}\n")
-    overrides = [
-        "model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.dropout=0.1",
-        f"data.corpus={corpus}", "data.seq_len=32", f"data.cache_dir={root / 'cache'}", "data.val_fraction=0.3",
-        "train.max_steps=8", "train.batch_size=4", "train.checkpoint_every=4", "train.device=cpu",
-        "aah.windows=[8,16,32]", "aah.control_warmup=2", "aah.control_interval=2",
-        "eval.every=0", "eval.batches=2", "log.every=2", "log.tensorboard=false", "log.progress=false",
-    ]
-    run = root / "run"
-    train(load_config(None, overrides), run)
-    return run
-
-
-@pytest.fixture
-def run(trained, tmp_path) -> Path:
-    copy = tmp_path / "run"
-    shutil.copytree(trained, copy)
-    return copy
 
 
 def reseal(folder: Path) -> None:
@@ -98,35 +72,35 @@ def last_loss(run: Path) -> float:
 
 def test_a_hostile_pickled_state_runs_no_code_in_resume_eval_or_generate(run, tmp_path, capsys):
     marker = tmp_path / "MARKER"
-    for step in (4, 8):
+    for step in STEPS:
         pickle_state(checkpoint_dir(run, step), {"step": step, "optimizer": Plant(marker)})
 
     line = one_line_error(main(["train", "--resume", str(run)]), capsys.readouterr().err)
-    assert str(checkpoint_dir(run, 8) / PICKLED_STATE_FILE) in line
+    assert str(checkpoint_dir(run, 12) / PICKLED_STATE_FILE) in line
     assert "unpickle" in line and "--trust-pickled-state" in line
     with pytest.raises(PickledStateError, match="train_state.pt"):
         train(load_config(run / "config.yaml"), run, resume=True)
 
     assert main(["eval", str(run), "--device", "cpu"]) == 0
-    assert json.loads((run / "eval.json").read_text())["checkpoint_step"] == 8
+    assert json.loads((run / "eval.json").read_text())["checkpoint_step"] == 12
     assert main(["generate", str(run), "--prompt", "It is", "--new-tokens", "4", "--temperature", "0"]) == 0
     assert "skipping" not in capsys.readouterr().err
     assert not marker.exists()
 
     # The check above can fail: trusting the file runs its code.
-    read_train_state(checkpoint_dir(run, 8), trust_pickled_state=True)
+    read_train_state(checkpoint_dir(run, 12), trust_pickled_state=True)
     assert marker.exists()
 
 
 def test_a_trusted_pickled_state_resumes_exactly_and_the_next_checkpoint_has_no_pickle(run, trained, capsys):
-    folder = checkpoint_dir(run, 4)
-    pickle_state(folder, read_train_state(folder))  # what an older version wrote at step 4
-    shutil.rmtree(checkpoint_dir(run, 8))  # it "crashed" after step 4
+    folder = checkpoint_dir(run, 8)
+    pickle_state(folder, read_train_state(folder))  # what an older version wrote at step 8
+    shutil.rmtree(checkpoint_dir(run, 12))  # it "crashed" after step 8
 
     assert main(["train", "--resume", str(run), "--trust-pickled-state"]) == 0
-    assert "from step 4" in capsys.readouterr().err
+    assert "from step 8" in capsys.readouterr().err
     assert last_loss(run) == last_loss(trained)
-    names = {f.name for f in checkpoint_dir(run, 8).iterdir()}
+    names = {f.name for f in checkpoint_dir(run, 12).iterdir()}
     assert names == {"model.safetensors", STATE_TENSORS, STATE_JSON, "info.json"}
 
     one_line_error(main(["train", "configs/none.yaml", "--trust-pickled-state"]), capsys.readouterr().err)
@@ -159,7 +133,7 @@ DAMAGE = {
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_a_damaged_or_edited_train_state_is_refused_naming_the_file(run, damage, capsys):
     name, spoil, resealed, reason = DAMAGE[damage]
-    for step in (4, 8):
+    for step in STEPS:
         folder = checkpoint_dir(run, step)
         spoil(folder / name)
         if resealed:
@@ -169,12 +143,12 @@ def test_a_damaged_or_edited_train_state_is_refused_naming_the_file(run, damage,
 
 
 def test_eval_and_generate_ignore_a_missing_or_damaged_train_state(run, capsys):
-    folder = checkpoint_dir(run, 8)
+    folder = checkpoint_dir(run, 12)
     (folder / STATE_JSON).unlink()
     truncate(folder / STATE_TENSORS)
     assert main(["eval", str(run), "--device", "cpu"]) == 0
-    assert json.loads((run / "eval.json").read_text())["checkpoint_step"] == 8
-    assert main(["generate", str(run), "--prompt", "It is", "--new-tokens", "4", "--checkpoint", "8"]) == 0
+    assert json.loads((run / "eval.json").read_text())["checkpoint_step"] == 12
+    assert main(["generate", str(run), "--prompt", "It is", "--new-tokens", "4", "--checkpoint", "12"]) == 0
     assert "skipping" not in capsys.readouterr().err
 
 
