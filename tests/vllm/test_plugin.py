@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -326,7 +327,7 @@ def _tiny_model(root: Path, byte_bpe, family: str = "Llama", seed: int = 0, **co
 
 def _windows_file(path: Path, model_dir: Path, windows, sinks: int) -> Path:
     transformers = pytest.importorskip("transformers")
-    from aah.hf.windows_file import model_signature, save_windows
+    from aah.hf.bridge.windows_file import model_signature, save_windows
 
     config = transformers.AutoConfig.from_pretrained(model_dir)
     meta = {"model": model_signature(config), "seq_len": MAX_LEN, "policy": "test", "budget": None,
@@ -597,6 +598,25 @@ def test_bench_command_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "config.json").write_text("{}")
     assert bench_main([str(tmp_path), "--windows-file", str(tmp_path / "w.safetensors"), "--rounds", "0"]) == 2
     assert capsys.readouterr().err.strip() == "aah bench vllm: --rounds must be >= 1, got 0"
+    # A windows file for another model is refused before either engine starts, naming the file.
+    config, windows = _bench_model(tmp_path)
+    config["num_hidden_layers"] = 3
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert bench_main([str(tmp_path), "--windows-file", str(windows)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"aah bench vllm: {windows} was calibrated for ") and "\n" not in err
+
+
+def _bench_model(folder: Path) -> tuple[dict, Path]:
+    """A Llama-shaped config.json in ``folder`` and a windows file made for it."""
+    from aah.hf.bridge.windows_file import model_signature, save_windows
+
+    config = {"model_type": "llama", "vocab_size": 50, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "hidden_size": 32}
+    (folder / "config.json").write_text(json.dumps(config))
+    meta = {"model": model_signature(SimpleNamespace(**config)), "seq_len": 64, "policy": "uniform", "budget": 0.5,
+            "sink_tokens": 4, "acr": 0.5, "causal_coverage": 0.5}
+    return config, save_windows(folder / "w.safetensors", torch.full((2, 4), 16), meta)
 
 
 def test_bench_json_keys_and_speedups_from_the_engines_timings(tmp_path, monkeypatch):
@@ -606,8 +626,7 @@ def test_bench_json_keys_and_speedups_from_the_engines_timings(tmp_path, monkeyp
 
     from aah.vllm import bench
 
-    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 50}))
-    (tmp_path / "w.safetensors").write_bytes(b"")
+    _bench_model(tmp_path)
     timings = {"vanilla": (2.0, 4.0), "aah": (1.0, 2.0)}
 
     def fake_runner(cmd, env, stdout):

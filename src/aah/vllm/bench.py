@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -45,6 +46,7 @@ from ..cli_flags import (
     write_json,
 )
 from ..errors import CLIError
+from ..hf.bridge.windows_file import check_windows_for, load_windows
 
 __all__ = ["add_command", "exactness", "main", "run", "vllm_python"]
 
@@ -85,6 +87,12 @@ def _check(args: argparse.Namespace) -> None:
             raise CLIError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not Path(args.model, "config.json").is_file():
         raise CLIError(f"{args.model} is not a model folder (no config.json)")
+    try:  # the windows file against the model's layout, before either engine starts
+        config = SimpleNamespace(**json.loads(Path(args.model, "config.json").read_text()))
+        windows, meta = load_windows(args.windows_file)
+        check_windows_for(config, windows, meta, args.windows_file)
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        raise CLIError(str(exc).splitlines()[0]) from None
 
 
 def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
