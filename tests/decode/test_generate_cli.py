@@ -133,6 +133,10 @@ def test_every_bad_input_is_one_line_and_exit_2(run_dir: Path, tmp_path: Path, c
         (_generate(run_dir, *p, "--temperature", "-1"), "--temperature"),
         (_generate(run_dir, *p, "--top-k", "0"), "--top-k"),
         (_generate(run_dir, *p, "--top-p", "1.5"), "--top-p"),
+        (_generate(run_dir, *p, "--temperature", "inf"), "--temperature must be a finite number >= 0, got inf"),
+        (_generate(run_dir, *p, "--temperature", "nan"), "--temperature must be a finite number"),
+        (_generate(run_dir, *p, "--top-p", "nan"), "--top-p must be in (0, 1]"),
+        (_generate(run_dir, "--prompt-file", str(tmp_path)), "is a directory, not a file"),
     ]
     bad_bytes = tmp_path / "latin1.txt"
     bad_bytes.write_bytes(b"caf\xe9")

@@ -30,6 +30,7 @@ import torch
 from ..cli_flags import add_new_tokens, refuse
 from ..errors import CLIError
 from . import ring_decode
+from .generate import check_sampling
 
 __all__ = ["add_commands", "run_generate"]
 
@@ -64,6 +65,8 @@ def _prompt_text(args: argparse.Namespace) -> str:
         text = args.prompt
     else:
         path = Path(args.prompt_file)
+        if path.is_dir():
+            raise CLIError(f"--prompt-file {path} is a directory, not a file")
         if not path.is_file():
             raise CLIError(f"--prompt-file {path}: no such file")
         try:
@@ -76,12 +79,11 @@ def _prompt_text(args: argparse.Namespace) -> str:
 
 
 def _check_options(args: argparse.Namespace) -> None:
-    if not args.temperature >= 0:
-        raise CLIError(f"--temperature must be >= 0, got {args.temperature}")
-    if args.top_k is not None and args.top_k < 1:
-        raise CLIError(f"--top-k must be >= 1, got {args.top_k}")
-    if args.top_p is not None and not 0.0 < args.top_p <= 1.0:
-        raise CLIError(f"--top-p must be in (0, 1], got {args.top_p}")
+    try:
+        check_sampling(args.temperature, args.top_k, args.top_p)
+    except ValueError as exc:  # "top_k must be ..." -> "--top-k must be ..."
+        name, rest = str(exc).split(" ", 1)
+        raise CLIError(f"--{name.replace('_', '-')} {rest}") from None
     if args.checkpoint is not None and args.checkpoint < 0:
         raise CLIError(f"--checkpoint must be a step >= 0, got {args.checkpoint}")
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -12,6 +12,7 @@ the cache of a model takes next to a full cache of the same length.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -77,9 +78,11 @@ def _next_token(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def _check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    if not temperature >= 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """``ValueError`` naming the setting unless ``temperature`` is finite and >= 0, ``top_k`` a
+    positive int (or None) and ``top_p`` in (0, 1] (or None)."""
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
         raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
     if top_p is not None and not 0.0 < top_p <= 1.0:
@@ -140,7 +143,7 @@ def iter_tokens(
     runs and gets its previous mode back when it ends. With ``cache_out`` (a
     list), the cache is appended to it once created (to report its memory).
     """
-    _check_sampling(temperature, top_k, top_p)
+    check_sampling(temperature, top_k, top_p)
     ids = _check_prompt(model, prompt_ids, max_new_tokens)
     if ids.dim() != 2:
         raise ValueError(f"prompt_ids must have shape (B, T), got {tuple(ids.shape)}")
