@@ -90,6 +90,18 @@ def test_train_unknown_key_and_bad_value(capsys, tmp_path):
     fails(capsys, ["train", cfg, "nodot"], "section.key=value")
 
 
+def test_overrides_may_follow_options(capsys, tmp_path):
+    """``aah train CONFIG --out DIR KEY=VALUE``: the override after an option is read as one (its
+    bad key is what fails), and anything else after an option is still unrecognized."""
+    cfg = empty_config(tmp_path)
+    fails(capsys, ["train", cfg, "--out", str(tmp_path / "run"), "train.max_stepz=3"], "max_stepz")
+    suite = str(Path(__file__).resolve().parents[1] / "configs" / "suites" / "cpu" / "quick.yaml")
+    fails(capsys, ["experiment", suite, "--out", str(tmp_path / "runs"), "train.max_stepz=3"], "max_stepz")
+    with pytest.raises(SystemExit) as exc:
+        main(["train", cfg, "--out", str(tmp_path / "run"), "--bogus"])
+    assert exc.value.code == 2 and "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
 def test_train_missing_corpus_and_unknown_tokenizer(capsys, corpus, tmp_path):
     cfg = empty_config(tmp_path)
     over = tiny(corpus, tmp_path / "cache")

@@ -37,10 +37,19 @@ def one_line(message: str) -> str:
     return " ".join(line.strip() for line in message.splitlines() if line.strip())
 
 
+def _is_override(text: str) -> bool:
+    """Whether ``text`` reads as a ``section.key=value`` override (not an option)."""
+    return "=" in text and not text.startswith("-")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra and isinstance(getattr(args, "overrides", None), list) and all(_is_override(e) for e in extra):
+            args.overrides += extra  # KEY=VALUE overrides may follow options too
+        elif extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     except FlagError as exc:  # a shared flag's bad value (aah.cli_flags)
         print(f"{exc.prog}: {one_line(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
