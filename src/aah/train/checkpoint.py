@@ -160,12 +160,14 @@ def verify_checkpoint(folder: Path, *, with_state: bool = True) -> bool:
         return False
     if not isinstance(files, dict) or not all(isinstance(e, dict) for e in files.values()):
         raise CheckpointError(f"the manifest in {INFO_FILE} is not a table of files")
-    needed = [MODEL_FILE, *_state_files(files)]
+    needed = [MODEL_FILE, *_state_files(files)] if with_state else [MODEL_FILE]
     if any(name not in files for name in needed):
         raise CheckpointError(f"the manifest in {INFO_FILE} does not list {' and '.join(needed)}")
     if not with_state:
         files = {MODEL_FILE: files[MODEL_FILE]}
     for name, entry in sorted(files.items()):
+        if Path(name).name != name:
+            raise CheckpointError(f"the manifest in {INFO_FILE} names {name!r}, which is not a file of the folder")
         path = folder / name
         if not path.is_file():
             raise CheckpointError(f"{name} is missing")
