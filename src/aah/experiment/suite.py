@@ -105,7 +105,7 @@ def load_suite(path: str | Path) -> Suite:
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise ConfigError(f"cannot read suite file {path}: {exc}") from exc
     if not isinstance(raw, dict):
         raise ConfigError(f"suite file {path} must hold a mapping")

@@ -2,11 +2,14 @@
 
 The file holds one int64 tensor ``windows`` of shape (num_layers, num_query_heads) and string
 metadata: the model (its type and shape, so a file for another model is refused), the
-sequence length, the policy, the budget, the sink tokens and the coverage figures.
+sequence length, the policy, the budget, the sink tokens and the coverage figures, and a
+``sha256`` over the windows and the rest of the metadata, so that a damaged or edited file is
+refused rather than used (files written before it existed carry none and still load).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -22,6 +25,8 @@ from ...windows import as_window_tensor
 __all__ = ["MAX_SINK_TOKENS", "MAX_WINDOW", "REQUIRED_META", "check_windows_for", "load_windows", "model_signature",
            "save_windows"]
 
+#: The metadata key of the file's checksum (:func:`_checksum`).
+CHECKSUM = "sha256"
 #: Metadata every windows file carries.
 REQUIRED_META = ("model", "seq_len", "policy", "budget", "sink_tokens", "acr", "causal_coverage")
 #: The largest window a file may hold: 2**24 tokens. A window at or above a model's context
@@ -52,7 +57,8 @@ def save_windows(path: str | os.PathLike, windows: torch.Tensor, meta: dict[str,
     missing = [key for key in REQUIRED_META if key not in meta]
     if missing:
         raise ValueError(f"windows metadata lacks {missing}; required: {', '.join(REQUIRED_META)}")
-    encoded = {key: json.dumps(value) for key, value in meta.items()}
+    encoded = {key: json.dumps(value) for key, value in meta.items() if key != CHECKSUM}
+    encoded[CHECKSUM] = json.dumps(_checksum(grid, encoded))
     with atomic_path(path) as tmp:
         save_file({"windows": grid.contiguous()}, str(tmp), metadata=encoded)
     return Path(path)
@@ -85,11 +91,20 @@ def load_windows(path: str | os.PathLike, model=None) -> tuple[torch.Tensor, dic
     if missing:
         raise ValueError(f"{path} lacks metadata {missing}")
     windows = _checked_windows(tensors["windows"], path)
+    if CHECKSUM in meta and meta.pop(CHECKSUM) != _checksum(windows, {k: v for k, v in raw.items() if k != CHECKSUM}):
+        raise ValueError(f"{path}: its windows or metadata do not match its sha256; the file is damaged or was edited")
     _check_int(meta, "sink_tokens", 0, MAX_SINK_TOKENS, path)
     _check_int(meta, "seq_len", 1, MAX_WINDOW, path)
     if model is not None:
         check_windows_for(model, windows, meta, str(path))
     return windows, meta
+
+
+def _checksum(windows: torch.Tensor, encoded: dict[str, str]) -> str:
+    """sha256 over the int64 windows and the JSON-encoded metadata (keys sorted)."""
+    digest = hashlib.sha256(windows.to(torch.int64).contiguous().numpy().tobytes())
+    digest.update(json.dumps(encoded, sort_keys=True).encode())
+    return digest.hexdigest()
 
 
 def _checked_windows(tensor: torch.Tensor, path: Path) -> torch.Tensor:
