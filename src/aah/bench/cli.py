@@ -88,22 +88,9 @@ def _run_attention(args: argparse.Namespace) -> int:
         if not backends:
             raise CLIError("attention: --backends is empty")
     try:
-        result = bench_attention(
-            seq_len=args.seq_len,
-            heads=args.heads,
-            kv_heads=args.kv_heads,
-            head_dim=args.head_dim,
-            batch=args.batch,
-            dtype=args.dtype,
-            backends=backends,
-            backward=args.backward,
-            repeats=args.repeats,
-            windows=args.windows,
-            mix=args.mix,
-            warmup=args.warmup,
-            device=args.device,
-            sink_tokens=args.sink_tokens,
-        )
+        settings = ("seq_len", "heads", "kv_heads", "head_dim", "batch", "dtype", "backward", "repeats", "windows",
+                    "mix", "warmup", "device", "sink_tokens")
+        result = bench_attention(backends=backends, **{name: getattr(args, name) for name in settings})
     except ValueError as exc:
         raise CLIError(f"attention: {exc}") from None
     if args.json != "-":
