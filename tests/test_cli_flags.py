@@ -121,6 +121,9 @@ def test_a_missing_or_folder_windows_file_is_named_before_any_work(capsys, tmp_p
     ("--out", ["hf", "calibrate", "m"], "docs", "it is a directory"),
     ("--out", ["report", "docs"], "README.md", "it is a file, not a folder"),
     ("--out", ["bench", "grid"], "no/such/folder/grid.json", "no folder no/such/folder"),
+    ("--out", ["train", "c.yaml"], "README.md", "it is a file, not a folder"),
+    ("--out", ["experiment", "s.yaml"], "README.md/runs", "README.md is a file, not a folder"),
+    ("--records", ["experiment", "s.yaml"], "pyproject.toml", "it is a file, not a folder"),
 ])
 def test_outputs_that_cannot_be_written_are_refused_before_any_work(capsys, flag, command, value, problem):
     line = _one_line(capsys, [*command, flag, value])

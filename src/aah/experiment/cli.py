@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from ..cli_flags import add_output
 from ..config import ConfigError
 from ..errors import CLIError
 from ..report import main_table_text, write_report
@@ -26,10 +27,10 @@ def add_commands(subparsers) -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=None, help="seeds (default: the suite's)")
     p.add_argument("--rows", nargs="+", metavar="NAME", default=None,
                    help="run only these rows of the suite's regimes (default: all); the report covers every finished run of the seeds")
-    p.add_argument("--out", metavar="DIR", default=None, help="output folder (default: runs/<suite name>)")
-    p.add_argument("--records", metavar="DIR", default=None,
-                   help="keep each finished run's config, meta, metrics and eval (no checkpoints) in "
-                        "DIR/<row>/seed<k>, and take recorded runs of the same config as finished")
+    add_output(p, "--out", folder=True, metavar="DIR", default=None, help="output folder (default: runs/<suite name>)")
+    add_output(p, "--records", folder=True, metavar="DIR", default=None,
+               help="keep each finished run's config, meta, metrics and eval (no checkpoints) in "
+                    "DIR/<row>/seed<k>, and take recorded runs of the same config as finished")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time (default 1)")
     p.set_defaults(func=_run)
 

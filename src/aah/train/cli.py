@@ -7,6 +7,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+from ..cli_flags import add_output
 from ..config import ConfigError, RunConfig, load_config
 from ..errors import CLIError
 from .checkpoint import CheckpointError
@@ -25,7 +26,7 @@ def add_commands(subparsers) -> None:
     )
     p.add_argument("config", nargs="?", metavar="CONFIG", help="YAML config file")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="overrides such as train.max_steps=50")
-    p.add_argument("--out", metavar="DIR", help="run folder (default: <train.out_dir>/<regime>-seed<seed>-<time>)")
+    add_output(p, "--out", folder=True, metavar="DIR", help="run folder (default: <train.out_dir>/<regime>-seed<seed>-<time>)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint")
     p.add_argument(
         "--trust-pickled-state", action="store_true",
