@@ -46,7 +46,8 @@ class LayerWindows:
     def build(cls, requested: tuple[int, ...], sink_tokens: int, backend: str, layer_window: int | None) -> LayerWindows:
         """A head never sees more than its layer allows: cap by ``layer_window`` and drop sinks there."""
         windows, sinks = layer_rule(requested, sink_tokens, layer_window)
-        return cls(requested, windows, sinks, backend, None if layer_window is None else int(layer_window))
+        sliding = None if layer_window is None or layer_window <= 0 else int(layer_window)
+        return cls(requested, windows, sinks, backend, sliding)
 
 
 def layer_sinks(sink_tokens: int, layer_window: int | None) -> int:
@@ -92,6 +93,7 @@ def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def num_query_heads(model: torch.nn.Module) -> int:
+    """The model's number of query heads per layer (``ValueError`` where its config names none)."""
     config = model.config
     heads = getattr(config, "num_attention_heads", None)
     if not isinstance(heads, int):
