@@ -300,6 +300,7 @@ def test_calibrate_then_eval_end_to_end(tiny_model_dir, tmp_path, capsys):
                  "--policy", "aah_v3", "--batches", "2", "--sink-tokens", "2", "--out", str(out)]) == 0
     windows, meta = load_windows(out)
     assert windows.shape == (2, 4) and meta["policy"] == "aah_v3" and meta["sink_tokens"] == 2
+    assert meta["executed_coverage"] == pytest.approx(meta["causal_coverage"])  # no kept keys: the same figure
     assert torch.equal(windows[:, 0::2], windows[:, 1::2])  # kv_group granularity by default
     report_path = tmp_path / "eval.json"
     assert main(["hf", "eval", str(model_dir), "--windows-file", str(out), "--corpus", str(corpus), "--seq-len", "64",
@@ -307,7 +308,9 @@ def test_calibrate_then_eval_end_to_end(tiny_model_dir, tmp_path, capsys):
                  "--json", str(report_path)]) == 0
     report = json.loads(report_path.read_text())
     for name in ("full", "aah", "uniform"):
-        assert {"ppl", "prefill_tok_s", "decode_tok_s", "decode_route", "kv_bytes", "acr", "causal_coverage"} <= set(report[name])
+        assert {"ppl", "prefill_tok_s", "decode_tok_s", "decode_route", "kv_bytes", "acr", "causal_coverage",
+                "executed_coverage"} <= set(report[name])
+        assert report[name]["executed_coverage"] == pytest.approx(report[name]["causal_coverage"])
     assert "ppl_ratio" in report["uniform"]
     assert report["full"]["decode_route"] == "transformers"
     from aah.decode import ring_decode
@@ -319,20 +322,22 @@ def test_calibrate_then_eval_end_to_end(tiny_model_dir, tmp_path, capsys):
     assert report["ppl_ratio"] == pytest.approx(report["aah"]["ppl"] / report["full"]["ppl"])
     assert len(report["aah"]["block_nll"]) == 1 and report["ppl_ratio_ci"] is None  # one block: no interval
     assert report["aah_vs_uniform_ppl_ratio"] == pytest.approx(report["aah"]["ppl"] / report["uniform"]["ppl"])
-    assert report["full"]["causal_coverage"] == 1.0
+    assert report["full"]["causal_coverage"] == report["full"]["executed_coverage"] == 1.0
     assert report["uniform"]["causal_coverage"] <= report["aah"]["causal_coverage"] + 1e-12
     # KV bytes: the window cache holds S + window entries per KV head of a 61-token prompt.
     slots = sum(2 + min(int(w), 64) for w in windows[:, ::2].flatten())
     assert report["aah"]["kv_bytes"] == 2 * 2 * slots * 8 * 4
     assert report["full"]["kv_bytes"] == 2 * 2 * 2 * 2 * (64 - 3) * 8 * 4
-    assert "| aah |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| aah |" in out and "executed coverage |" in out
 
 
 def test_eval_takes_sink_tokens_and_kept_keys(tiny_model_dir, tmp_path, capsys):
     """--sink-tokens and --tail-tokens/--kept-keys: the config says what ran, the windowed settings'
-    ACR and causal coverage are those of kept_coverage, their KV bytes hold the kept keys too, and
-    their decode steps take the compiled attention step (not the whole-layer one)."""
-    from aah.hf.bridge.kept_keys import KeptKeys, kept_coverage
+    ACR and causal coverage are those of kept_coverage and their executed coverage that of
+    executed_read_coverage, their KV bytes hold the kept keys too, and their decode steps take the
+    compiled attention step (not the whole-layer one). The windows file predates executed_coverage."""
+    from aah.hf.bridge.kept_keys import KeptKeys, executed_read_coverage, kept_coverage
     from aah.hf.bridge.spec import LayerWindows
 
     model_dir, corpus = tiny_model_dir
@@ -353,6 +358,9 @@ def test_eval_takes_sink_tokens_and_kept_keys(tiny_model_dir, tmp_path, capsys):
     specs = [LayerWindows.build(tuple(int(w) for w in row), 3, "auto", None) for row in windows]
     acr, coverage = kept_coverage(specs, 64, KeptKeys(4, 6, 3), 2)
     assert kept["aah"]["acr"] == pytest.approx(acr) and kept["aah"]["causal_coverage"] == pytest.approx(coverage)
+    executed = executed_read_coverage(specs, 64, KeptKeys(4, 6, 3), 2)
+    assert kept["aah"]["executed_coverage"] == pytest.approx(executed) and executed > coverage
+    assert plain["aah"]["executed_coverage"] == pytest.approx(plain["aah"]["causal_coverage"])
     assert plain["aah"]["causal_coverage"] == pytest.approx(causal_coverage(windows, 64, sink_tokens=3))
     # Each KV head of the 61-token decode prompts keeps 6 far keys (K and V, 8 floats each) per layer.
     assert kept["aah"]["kv_bytes"] - plain["aah"]["kv_bytes"] == 2 * 2 * 2 * 6 * 2 * 8 * 4

@@ -210,8 +210,9 @@ def test_retrieval_command_writes_json_and_heatmap(model_dir, tmp_path, capsys):
             assert sum(c["trials"] for row in r["grid"].values() for c in row.values()) == 4
             assert r["ci"] == wilson_interval(r["correct"], 4)
     facts = report["settings"]
-    assert facts["full"]["400"]["causal_coverage"] == 1.0
+    assert facts["full"]["400"]["causal_coverage"] == facts["full"]["400"]["executed_coverage"] == 1.0
     for n in ("350", "400"):
+        assert facts["aah"][n]["executed_coverage"] == pytest.approx(facts["aah"][n]["causal_coverage"])
         assert facts["uniform"][n]["causal_coverage"] <= facts["aah"][n]["causal_coverage"] + 1e-12
         assert facts["uniform"][n]["window"] is not None and facts["aah"][n]["window"] is None
     assert len(report["samples"]) == 8
@@ -327,7 +328,7 @@ def test_retrieval_sink_tokens_override_the_windows_file(model_dir, tmp_path, ca
 def test_retrieval_kept_keys_are_reported_and_are_another_run(model_dir, tmp_path, monkeypatch, capsys):
     """--tail-tokens/--kept-keys: the config and the per-setting facts say what ran (the tail's pairs
     in the causal coverage, the kept keys in the ACR), and the journal keeps their answers apart."""
-    from aah.hf.bridge.kept_keys import KeptKeys, kept_coverage
+    from aah.hf.bridge.kept_keys import KeptKeys, executed_read_coverage, kept_coverage
     from aah.hf.bridge.spec import kv_heads, layer_windows_for
     from aah.hf.evaluation import retrieval as retrieval_eval
 
@@ -347,6 +348,10 @@ def test_retrieval_kept_keys_are_reported_and_are_another_run(model_dir, tmp_pat
     expected = kept_coverage(layer_windows_for(model, windows, 4), 400, KeptKeys(8, 16, 3), kv_heads(model))
     facts = kept["settings"]["aah"]["400"]
     assert (facts["acr"], facts["causal_coverage"]) == pytest.approx(expected)
+    executed = executed_read_coverage(layer_windows_for(model, windows, 4), 400, KeptKeys(8, 16, 3), kv_heads(model))
+    assert facts["executed_coverage"] == pytest.approx(executed) and executed > facts["causal_coverage"]
+    plain_facts = plain["settings"]["aah"]["400"]
+    assert plain_facts["executed_coverage"] == pytest.approx(plain_facts["causal_coverage"])
     assert facts["causal_coverage"] > plain["settings"]["aah"]["400"]["causal_coverage"]
     assert kept["settings"]["uniform"]["400"]["acr"] > plain["settings"]["uniform"]["400"]["acr"]
 
@@ -363,9 +368,9 @@ def test_retrieval_kept_keys_are_reported_and_are_another_run(model_dir, tmp_pat
 
 
 def test_retrieval_rolling_kept_keys_are_reported(model_dir, tmp_path, capsys):
-    """--prefill-kept/--prefill-block: the config says what ran and the causal coverage counts the
-    blocks' kept keys (rolling_coverage_pairs)."""
-    from aah.hf.bridge.kept_keys import KeptKeys, kept_coverage
+    """--prefill-kept/--prefill-block: the config says what ran, the causal coverage counts the
+    blocks' kept keys (rolling_coverage_pairs) and the executed coverage the scoring rows too."""
+    from aah.hf.bridge.kept_keys import KeptKeys, executed_read_coverage, kept_coverage
     from aah.hf.bridge.spec import kv_heads, layer_windows_for
 
     out = tmp_path / "r.json"
@@ -381,6 +386,9 @@ def test_retrieval_rolling_kept_keys_are_reported(model_dir, tmp_path, capsys):
     facts = rolling["settings"]["aah"]["400"]
     assert (facts["acr"], facts["causal_coverage"]) == pytest.approx(kept_coverage(specs, 400, spec, kv_heads(model)))
     assert facts["causal_coverage"] > kept_coverage(specs, 400, KeptKeys(8, 16), kv_heads(model))[1]
+    assert facts["executed_coverage"] == pytest.approx(executed_read_coverage(specs, 400, spec, kv_heads(model)))
+    assert facts["executed_coverage"] > executed_read_coverage(specs, 400, KeptKeys(8, 16), kv_heads(model))
+    assert "executed coverage |" in capsys.readouterr().out
     assert main(argv) == 0
     config = json.loads(out.read_text())["config"]
     assert (config["prefill_kept"], config["prefill_block"]) == (0, None)

@@ -39,6 +39,7 @@ _EXPORTS = {
     "cache_route": "bridge.cache",
     "new_cache": "bridge.cache",
     "KeptKeys": "bridge.kept_keys",
+    "executed_read_coverage": "bridge.kept_keys",
     "convert_gguf": "convert",
     "calibrate": "calibration.policies",
     "measure_lost_mass": "calibration.policies",

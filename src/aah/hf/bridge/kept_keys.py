@@ -39,7 +39,8 @@ head to the causal coverage (:func:`rolling_coverage_pairs`) and nothing to the 
 KV memory grows by at most ``keys_per_head`` keys per KV head (``keys_per_head / T`` of a full
 cache): a head keeps only far keys that exist (none where its window reaches the whole prompt),
 and the prefill's causal coverage by the tail rows' extra pairs (:func:`tail_coverage_pairs`);
-both are reported beside the windows' own.
+both are reported beside the windows' own. What the prefill really reads, the tail rows' windowed
+pass and the blocks' scoring rows included, is its executed coverage (:func:`executed_read_coverage`).
 """
 
 from __future__ import annotations
@@ -50,12 +51,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ...windows import kv_group_reach, visible
+from ...windows import causal_pairs, kv_group_reach, visible
 from .spec import executed_coverage
 
 __all__ = [
-    "KeptGroup", "KeptKeys", "KeptStore", "choose_kept", "kept_coverage", "rolling_coverage_pairs",
-    "rolling_kept_attention", "rolling_prefill", "tail_attention", "tail_coverage_pairs",
+    "KeptGroup", "KeptKeys", "KeptStore", "choose_kept", "executed_read_coverage", "kept_coverage",
+    "rolling_coverage_pairs", "rolling_kept_attention", "rolling_prefill", "tail_attention", "tail_coverage_pairs",
 ]
 
 
@@ -337,15 +338,17 @@ def _rolling_row(query, key, value, present, out, windows, reach, sink_tokens, k
 
 
 def rolling_coverage_pairs(
-    windows: Sequence[int], sink_tokens: int, seq_len: int, kept: KeptKeys, num_kv_heads: int
+    windows: Sequence[int], sink_tokens: int, seq_len: int, kept: KeptKeys, num_kv_heads: int,
+    *, tail_rows: bool = False,
 ) -> int:
     """(query, key) pairs the rows of a ``seq_len`` prompt before its last ``tail_tokens`` read
-    through rolling kept keys (:func:`rolling_kept_attention`), for one layer's ``windows``."""
+    through rolling kept keys (:func:`rolling_kept_attention`), for one layer's ``windows``; with
+    ``tail_rows``, the tail's rows too (they read them before the tail's reading replaces them)."""
     if kept.prefill_keys == 0:
         return 0
     group = len(windows) // num_kv_heads
     pairs = 0
-    end = max(0, seq_len - kept.tail_tokens)  # the tail's rows read every key anyway
+    end = seq_len if tail_rows else max(0, seq_len - kept.tail_tokens)  # the tail's rows read every key anyway
     for reach in kv_group_reach(windows, num_kv_heads):
         if reach + sink_tokens >= seq_len:
             continue
@@ -392,3 +395,48 @@ def kept_coverage(specs: Sequence, seq_len: int, kept: KeptKeys, num_kv_heads: i
                   else rolling_coverage_pairs(spec.windows, spec.sink_tokens, seq_len, kept, num_kv_heads))
                for spec in specs)
     return ratio / heads, executed_coverage(None, seq_len, specs)[1] + tail / (seq_len * (seq_len + 1) // 2 * heads)
+
+
+def executed_read_coverage(
+    specs: Sequence, seq_len: int, kept: KeptKeys | None, num_kv_heads: int, *, padded: bool = False
+) -> float:
+    """Executed coverage: every (query, key) pair the prefill of a ``seq_len`` prompt reads, over
+    the causal pairs ``T (T + 1) / 2`` of every head of the layers ``specs``
+    (:class:`aah.hf.bridge.spec.LayerWindows`, a sliding layer's windows capped and without sinks).
+
+    Counted, per head: its window and sinks on every row (:func:`aah.windows.causal_pairs`); with
+    ``kept``, the tail rows once more, over every earlier key (within a layer's own sliding window):
+    the windowed pass reads them before :func:`tail_attention` replaces them; with rolling kept keys,
+    in the KV groups whose windows leave keys behind, each row from the second block on also reads
+    its block's kept keys (:func:`rolling_coverage_pairs`, the tail's rows included) and, before
+    each block, the previous block's last ``tail_tokens`` rows read every earlier key to score them.
+    ``padded``: the prompt came with an attention mask, so those groups' rows from the second block
+    on were read by the windowed pass first (:func:`rolling_kept_attention`); an unpadded prompt
+    reads them once (:func:`rolling_prefill`). Without ``kept`` this is the causal coverage. Pairs
+    follow the window rule; a backend's tiles may compute more (:func:`aah.backends.executed_coverage`).
+    """
+
+    def rows(window: int, sinks: int, start: int, stop: int) -> int:  # window pairs of rows start..stop-1
+        return causal_pairs(window, stop, sink_tokens=sinks) - (causal_pairs(window, start, sink_tokens=sinks)
+                                                                 if start else 0)
+
+    heads = sum(len(spec.windows) for spec in specs)
+    pairs = 0
+    for spec in specs:
+        windows, sinks = spec.windows, spec.sink_tokens
+        pairs += sum(rows(w, sinks, 0, seq_len) for w in windows)
+        if kept is None:
+            continue
+        tail = min(kept.tail_tokens, seq_len)
+        pairs += tail_coverage_pairs(windows, sinks, seq_len, tail, spec.layer_window)
+        pairs += sum(rows(w, sinks, seq_len - tail, seq_len) for w in windows)
+        if spec.layer_window is not None or not kept.prefill_keys:
+            continue
+        pairs += rolling_coverage_pairs(windows, sinks, seq_len, kept, num_kv_heads, tail_rows=True)
+        short_heads = _rolling_groups(windows, num_kv_heads, sinks, seq_len)[2]
+        for start in range(kept.prefill_block, seq_len, kept.prefill_block):
+            scoring = min(kept.tail_tokens, start)  # rows start - scoring .. start - 1 read q + 1 keys each
+            pairs += len(short_heads) * (scoring * start - scoring * (scoring - 1) // 2)
+        if padded:
+            pairs += sum(rows(windows[h], sinks, min(kept.prefill_block, seq_len), seq_len) for h in short_heads)
+    return pairs / (seq_len * (seq_len + 1) // 2 * heads)

@@ -50,7 +50,8 @@ def _retrieval_sequences(tokenizer, args: argparse.Namespace):
 
 
 def calibrate_command(args: argparse.Namespace) -> int:
-    from ..bridge.spec import executed_coverage, layer_windows_for
+    from ..bridge.kept_keys import executed_read_coverage
+    from ..bridge.spec import executed_coverage, kv_heads, layer_windows_for
     from ..bridge.windows_file import model_signature, save_windows
     from ..calibration.policies import (
         GRANULARITIES,
@@ -114,6 +115,8 @@ def calibrate_command(args: argparse.Namespace) -> int:
     }
     specs = layer_windows_for(model, windows, args.sink_tokens)
     meta["acr"], meta["causal_coverage"] = executed_coverage(model, args.seq_len, specs)
+    # The windows alone read the causal coverage; the key is written so that every tool reads one.
+    meta["executed_coverage"] = executed_read_coverage(specs, args.seq_len, None, kv_heads(model))
     save_windows(args.out, windows, meta)
     print(f"{args.policy} windows for {windows.shape[0]} layers x {windows.shape[1]} heads -> {args.out}")
     print(f"ACR {meta['acr']:.3f}, causal coverage {meta['causal_coverage']:.3f} as the layers run them "

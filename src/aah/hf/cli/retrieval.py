@@ -160,9 +160,10 @@ def _retrieval(args: argparse.Namespace) -> int:
 
 def _table(results: dict, facts: dict, lengths: list[int]) -> str:
     lines = ["| setting | task | accuracy (95% CI) | " + " | ".join(f"{n} tokens" for n in lengths)
-             + " | causal coverage |", "|---|---|---|" + "---|" * len(lengths) + "---|"]
+             + " | causal coverage | executed coverage |", "|---|---|---|" + "---|" * len(lengths) + "---|---|"]
     for name, per_task in results.items():
-        coverage = ", ".join(f"{facts[name][str(n)]['causal_coverage']:.3f}" for n in lengths)
+        coverage = " | ".join(", ".join(f"{facts[name][str(n)][key]:.3f}" for n in lengths)
+                              for key in ("causal_coverage", "executed_coverage"))
         for task, r in per_task.items():
             by_length = " | ".join(
                 f"{r['by_length'][str(n)]['correct']}/{r['by_length'][str(n)]['trials']}" for n in lengths

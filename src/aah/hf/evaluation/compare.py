@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from ...report.stats import paired_difference
 from .._transformers import require
 from ..bridge.cache import cache_memory_bytes, cache_route, new_cache
-from ..bridge.kept_keys import KeptKeys, kept_coverage
+from ..bridge.kept_keys import KeptKeys, executed_read_coverage, kept_coverage
 from ..bridge.patch import patch, unpatch
 from ..bridge.spec import (
     executed_coverage,
@@ -123,9 +123,9 @@ def evaluate_settings(
     progress: bool = True,
 ) -> dict[str, dict]:
     """Per-setting ``ppl``, ``prefill_tok_s``, ``decode_tok_s``, ``decode_route``, ``kv_bytes``, ``acr``,
-    ``causal_coverage``. A setting's kept keys (:mod:`aah.hf.bridge.kept_keys`) count in its ACR, causal
-    coverage, timings and KV bytes; its perplexity reads the blocks without a cache, so with the
-    windows alone."""
+    ``causal_coverage``, ``executed_coverage``. A setting's kept keys (:mod:`aah.hf.bridge.kept_keys`)
+    count in its coverage figures, timings and KV bytes; its perplexity reads the blocks without a
+    cache, so with the windows alone."""
     seq_len = blocks.shape[1]
     if new_tokens < 1 or new_tokens >= seq_len:
         raise ValueError(f"new_tokens must be in [1, {seq_len - 1}], got {new_tokens}")
@@ -134,8 +134,7 @@ def evaluate_settings(
         setting.apply(model)
         nll = block_nll(model, blocks, desc=f"perplexity {setting.name}" if progress else None)
         results[setting.name] = {"ppl": nll_perplexity(nll), "block_nll": nll}
-        ratio, coverage = setting_coverage(model, setting, seq_len)
-        results[setting.name].update(acr=ratio, causal_coverage=coverage)
+        results[setting.name].update(setting_coverage(model, setting, seq_len))
 
     prompt = blocks[:1].to(model.device)
     prefill = {s.name: [] for s in settings}
@@ -176,15 +175,18 @@ def evaluate_settings(
     return results
 
 
-def setting_coverage(model, setting: Setting, seq_len: int) -> tuple[float, float]:
-    """ACR and causal coverage of ``setting`` as ``model``, patched with it, runs at ``seq_len``:
-    1 for full attention; with kept keys, counting those and the tail rows
-    (:func:`aah.hf.bridge.kept_keys.kept_coverage`)."""
+def setting_coverage(model, setting: Setting, seq_len: int) -> dict[str, float]:
+    """``acr``, ``causal_coverage`` and ``executed_coverage`` of ``setting`` as ``model``, patched
+    with it, runs a ``seq_len`` prompt: 1 for full attention; with kept keys, counting those and the
+    tail rows (:func:`aah.hf.bridge.kept_keys.kept_coverage`), and every pair the prefill reads
+    (:func:`aah.hf.bridge.kept_keys.executed_read_coverage`)."""
     if setting.windows is None:
-        return 1.0, 1.0
-    if setting.kept_keys is None:
-        return executed_coverage(model, seq_len)
-    return kept_coverage(layer_specs(model), seq_len, setting.kept_keys, kv_heads(model))
+        return {"acr": 1.0, "causal_coverage": 1.0, "executed_coverage": 1.0}
+    specs, kept = layer_specs(model), setting.kept_keys
+    ratio, coverage = executed_coverage(model, seq_len) if kept is None else kept_coverage(
+        specs, seq_len, kept, kv_heads(model))
+    executed = executed_read_coverage(specs, seq_len, kept, kv_heads(model))
+    return {"acr": ratio, "causal_coverage": coverage, "executed_coverage": executed}
 
 
 def effective_coverage(model, setting: Setting, seq_len: int) -> float:
@@ -228,8 +230,9 @@ def summary(results: dict[str, dict]) -> dict:
 def markdown_table(results: dict[str, dict]) -> str:
     """A markdown table, one row per setting."""
     lines = [
-        "| setting | perplexity | ppl / full (95% CI) | prefill tok/s | decode tok/s | decode route | KV MB | ACR | causal coverage |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| setting | perplexity | ppl / full (95% CI) | prefill tok/s | decode tok/s | decode route | KV MB | ACR "
+        "| causal coverage | executed coverage |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     full = results["full"]
     for name, r in results.items():
@@ -237,6 +240,7 @@ def markdown_table(results: dict[str, dict]) -> str:
         ratio = f"{r['ppl'] / full['ppl']:.4f}" + (f" [{ci[0]:.4f}, {ci[1]:.4f}]" if ci else "")
         lines.append(
             f"| {name} | {r['ppl']:.3f} | {ratio} | {r['prefill_tok_s']:.1f} | "
-            f"{r['decode_tok_s']:.1f} | {r['decode_route']} | {r['kv_bytes'] / 1e6:.1f} | {r['acr']:.3f} | {r['causal_coverage']:.3f} |"
+            f"{r['decode_tok_s']:.1f} | {r['decode_route']} | {r['kv_bytes'] / 1e6:.1f} | {r['acr']:.3f} | {r['causal_coverage']:.3f} | "
+            f"{r['executed_coverage']:.3f} |"
         )
     return "\n".join(lines)

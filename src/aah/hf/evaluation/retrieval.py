@@ -219,17 +219,18 @@ def score(samples: Sequence[Sample], outputs: dict[str, list[str]]) -> dict[str,
 
 
 def setting_facts(model, setting: Setting, seq_len: int) -> dict:
-    """``acr``, ``causal_coverage`` (as the layers run them at ``seq_len``; with kept keys, counting
-    the keys kept and the tail rows, :func:`aah.hf.bridge.kept_keys.kept_coverage`) and the uniform ``window``."""
+    """``acr``, ``causal_coverage``, ``executed_coverage`` (as the layers run a ``seq_len`` prompt;
+    with kept keys, counting the keys kept and the tail rows, :func:`aah.hf.evaluation.compare.setting_coverage`)
+    and the uniform ``window``."""
     if setting.windows is None:
-        return {"acr": 1.0, "causal_coverage": 1.0, "window": None}
+        return {**setting_coverage(model, setting, seq_len), "window": None}
     setting.apply(model)
     try:
-        acr, coverage = setting_coverage(model, setting, seq_len)
+        coverage = setting_coverage(model, setting, seq_len)
     finally:
         Setting("full", None).apply(model)
     uniform = setting.windows.unique()
-    return {"acr": acr, "causal_coverage": coverage, "window": int(uniform[0]) if uniform.numel() == 1 else None}
+    return {**coverage, "window": int(uniform[0]) if uniform.numel() == 1 else None}
 
 
 def draw_heatmaps(results: dict[str, dict[str, dict]], path: str | Path) -> Path:
