@@ -16,33 +16,6 @@ from aah.experiment.cli import run_experiment
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def tiny_suite(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("suite")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    for i in range(5):
-        (corpus / f"d{i}.txt").write_text(("to be or not to be, that is the question. " * 30) + str(i))
-    base = {
-        "model": {"n_layers": 1, "d_model": 32, "n_heads": 4},
-        "data": {"corpus": str(corpus), "seq_len": 32, "cache_dir": str(root / "cache"), "val_fraction": 0.3},
-        "aah": {"windows": [8, 16, 32], "control_warmup": 1, "control_interval": 1},
-        "train": {"max_steps": 4, "batch_size": 2, "device": "cpu"},
-        "eval": {"every": 2, "batches": 1},
-        "log": {"every": 1, "tensorboard": False, "progress": False},
-    }
-    configs = root / "configs"
-    configs.mkdir()
-    (configs / "base.yaml").write_text(yaml.safe_dump(base))
-    for regime in ("full_attention", "shallow_freeze"):
-        (configs / f"{regime}.yaml").write_text(yaml.safe_dump({"base": "base.yaml", "aah": {"regime": regime}}))
-    suite = root / "tiny.yaml"
-    suite.write_text(yaml.safe_dump({
-        "name": "tiny", "config_dir": "configs", "regimes": ["full_attention", "shallow_freeze"], "seeds": [0, 1],
-    }))
-    return suite
-
-
 def test_every_shipped_suite_plans_valid_runs(tmp_path):
     for path in sorted((REPO / "configs" / "suites").glob("*/*.yaml")):
         suite = load_suite(path)
@@ -179,7 +152,7 @@ def test_records_keep_finished_runs_and_a_fresh_output_folder_takes_them(tiny_su
     assert run_experiment(str(tiny_suite), str(tmp_path / "first"), None, 1, records=str(records)) == 0
     kept = sorted(p.relative_to(records).as_posix() for p in records.rglob("*") if p.is_file())
     assert kept == sorted(f"{row}/seed{seed}/{name}" for row in ("full_attention", "shallow_freeze")
-                          for seed in (0, 1) for name in RECORD_FILES)  # no checkpoints, nothing else
+                          for seed in (0, 1) for name in (*RECORD_FILES, "manifest.json"))  # no checkpoints
     capsys.readouterr()
 
     _no_runs(monkeypatch)  # a fresh folder (another machine, a clean clone) trains nothing again

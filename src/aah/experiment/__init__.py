@@ -1,7 +1,7 @@
 """Experiment suites: run every (regime, seed), evaluate, and report (paper Tables 3-6, 8)."""
 
+from .records import RECORD_FILES, RecordError, verify_record, write_manifest
 from .suite import (
-    RECORD_FILES,
     RunSpec,
     Suite,
     load_suite,
@@ -11,4 +11,7 @@ from .suite import (
     sync_records,
 )
 
-__all__ = ["RECORD_FILES", "RunSpec", "Suite", "load_suite", "plan_runs", "run_state", "run_suite", "sync_records"]
+__all__ = [
+    "RECORD_FILES", "RecordError", "RunSpec", "Suite", "load_suite", "plan_runs", "run_state", "run_suite",
+    "sync_records", "verify_record", "write_manifest",
+]

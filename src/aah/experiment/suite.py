@@ -26,6 +26,9 @@ A suite too long for one sitting can keep *records* (``aah experiment --records 
 hundred kB) are copied to ``DIR/<name>/seed<seed>``, and a later invocation, on another
 machine or a fresh clone, takes a recorded run of the same config as finished instead of
 training it again. A record of another config is an error, never silently reused or replaced.
+Each record carries a checksum manifest (:mod:`aah.experiment.records`); a record that does not
+verify against it (truncated, edited, half-written) is never used: a warning names the file,
+and the run trains again and is recorded anew.
 """
 
 from __future__ import annotations
@@ -48,9 +51,17 @@ from tqdm.auto import tqdm
 from .. import regimes as regime_registry
 from ..config import ConfigError, config_to_dict, load_config
 from ..train.checkpoint import latest_checkpoint
-from ..train.run_dir import read_meta, update_meta
+from ..train.run_dir import read_meta
+from .records import (
+    RECORD_FILES,
+    RecordError,
+    copy_record,
+    verify_record,
+    write_json,
+    write_manifest,
+)
 
-__all__ = ["Suite", "RunSpec", "load_suite", "plan_runs", "run_suite", "RECORD_FILES", "sync_records"]
+__all__ = ["Suite", "RunSpec", "load_suite", "plan_runs", "run_suite", "run_state", "save_record", "sync_records"]
 
 
 @dataclass(frozen=True)
@@ -189,75 +200,95 @@ def config_mismatch(spec: RunSpec, folder: Path | None = None) -> str | None:
     )
 
 
-#: What a record keeps of a finished run: everything the report reads, no checkpoints.
-RECORD_FILES = ("config.yaml", "meta.json", "metrics.jsonl", "eval.json")
-
-
 def _record_dir(records: Path, spec: RunSpec) -> Path:
     return records / spec.regime / f"seed{spec.seed}"
 
 
-def _copy_record(source: Path, dest: Path) -> None:
-    """Copy :data:`RECORD_FILES` from ``source`` to ``dest``, replacing ``dest`` in one rename."""
-    staging = dest.with_name(f".{dest.name}.partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    for name in RECORD_FILES:
-        shutil.copy2(source / name, staging / name)
-    if dest.exists():
-        shutil.rmtree(dest)
-    staging.rename(dest)
+def _meta(run_dir: Path) -> dict:
+    """``meta.json`` of ``run_dir`` (``{}`` without one); :class:`ConfigError` naming it when unreadable."""
+    try:
+        return read_meta(run_dir)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"{run_dir / 'meta.json'} cannot be read ({exc}); remove {run_dir} to run it again") from None
 
 
-def _tag_row(run_dir: Path, spec: RunSpec) -> None:
+def _tag_row(run_dir: Path, spec: RunSpec) -> bool:
     """Name the suite row in the finished run's ``meta.json`` (``suite_row``): the report groups a
-    variant (``loss_aware_late``) apart from its regime's own row (``loss_aware``)."""
-    if read_meta(run_dir).get("suite_row") != spec.regime:
-        update_meta(run_dir, suite_row=spec.regime)
+    variant (``loss_aware_late``) apart from its regime's own row (``loss_aware``). True if it changed."""
+    meta = _meta(run_dir)
+    if meta.get("suite_row") == spec.regime:
+        return False
+    write_json(run_dir / "meta.json", {**meta, "suite_row": spec.regime})
+    return True
 
 
 def save_record(spec: RunSpec, records: Path) -> Path:
-    """Keep the finished run of ``spec`` as ``records/<name>/seed<seed>``."""
+    """Keep the finished run of ``spec`` as ``records/<name>/seed<seed>``, its manifest written last."""
     dest = _record_dir(records, spec)
     _tag_row(spec.run_dir, spec)
-    _copy_record(spec.run_dir, dest)
+    copy_record(spec.run_dir, dest, manifest=True)
     return dest
+
+
+def _verified_records(specs: list[RunSpec], records: Path) -> tuple[dict[RunSpec, Path], dict[RunSpec, str]]:
+    """The record folders of ``specs`` that verify against their manifests, and why each other
+    existing record folder does not (it is left until the run's new record replaces it)."""
+    verified, damaged = {}, {}
+    for spec in specs:
+        folder = _record_dir(records, spec)
+        if not folder.exists():
+            continue
+        try:
+            verify_record(folder, RECORD_FILES)
+        except RecordError as exc:
+            damaged[spec] = str(exc)
+            continue
+        verified[spec] = folder
+    return verified, damaged
 
 
 def sync_records(specs: list[RunSpec], records: Path) -> list[str]:
     """Before a suite runs: finished runs of ``specs`` without a record get one, and recorded runs
     the output folder has not finished are restored into it (they are then skipped).
 
-    Raises :class:`ConfigError`, before anything is copied, when a record was trained with a
-    config other than the plan's. Returns one line per record saved or restored.
+    Only records that verify against their manifests are used; one that does not gets a warning
+    naming the file and counts as missing. Raises :class:`ConfigError`, before anything is copied,
+    when a record was trained with a config other than the plan's. Returns one line per record
+    saved or restored, and one per warning.
     """
-    for spec in specs:
-        mismatch = config_mismatch(spec, _record_dir(records, spec))
+    verified, damaged = _verified_records(specs, records)
+    for spec, folder in verified.items():
+        mismatch = config_mismatch(spec, folder)
         if mismatch:
             raise ConfigError(mismatch)
     lines = []
     for spec in specs:
-        folder = _record_dir(records, spec)
-        if config_mismatch(spec):
+        other_config = config_mismatch(spec) is not None
+        finished = not other_config and run_state(spec.run_dir) == "done"
+        if spec in damaged:
+            lines.append(f"warning: record of {spec.name} not used: {damaged[spec]}; "
+                         + (f"it is recorded again from {spec.run_dir}" if finished
+                            else "the run trains again and its new record replaces it"))
+        if other_config:
             continue  # a run of another config in the output folder: the run itself reports it
-        recorded = run_state(folder) == "done" and all((folder / n).is_file() for n in RECORD_FILES)
-        finished = run_state(spec.run_dir) == "done"
-        if recorded:
-            _tag_row(folder, spec)  # records kept before runs were tagged
+        folder = verified.get(spec)
+        recorded = folder is not None and run_state(folder) == "done"
+        if recorded and _tag_row(folder, spec):  # records kept before runs were tagged
+            write_manifest(folder)
         if finished and not recorded:
             save_record(spec, records)
             lines.append(f"recorded {spec.name}")
         elif recorded and not finished:
             if spec.run_dir.exists():
                 shutil.rmtree(spec.run_dir)  # a partial run of the same config: the record is further
-            _copy_record(folder, spec.run_dir)
+            copy_record(folder, spec.run_dir, manifest=False)
             lines.append(f"restored {spec.name} from {folder}")
     return lines
 
 
 def run_state(run_dir: Path) -> str:
     """``done`` (trained and evaluated), ``evaluate``, ``resume`` or ``fresh``."""
-    meta = read_meta(run_dir)
+    meta = _meta(run_dir)
     if meta.get("status") == "complete":
         return "done" if (run_dir / "eval.json").is_file() else "evaluate"
     if latest_checkpoint(run_dir) is not None:

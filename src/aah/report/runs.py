@@ -6,6 +6,11 @@ and, once the run has been evaluated, ``eval.json``. Any of these may be
 missing or, for ``metrics.jsonl``, end in a half-written line; the accessors
 here then return ``None`` and the tables print a placeholder.
 
+A record (a folder of ``aah experiment --records``) also holds ``manifest.json``, the
+checksums of its files: it is read only when every file verifies, and one that does not
+(truncated, edited, missing, unreadable) raises :class:`aah.experiment.records.RecordError`
+naming the file, never a half-read run.
+
 Full-attention runs follow the paper's rule (section 7.1): ACR and causal
 coverage are 1 by definition when not logged, and hierarchy levels used are 0.
 """
@@ -21,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from ..experiment.records import MANIFEST, verify_record
 from .stats import acr_from_fractions, bucket_fractions
 
 __all__ = [
@@ -427,8 +433,13 @@ def _clean_fractions(value: dict[str, Any]) -> dict[str, float]:
 
 
 def load_run(path: Path) -> Run:
-    """Read one run folder; missing or unreadable files leave the matching fields empty."""
+    """Read one run folder; missing or unreadable files leave the matching fields empty.
+
+    A record (a folder with ``manifest.json``) is verified first: :class:`RecordError` names
+    the file that does not match."""
     path = Path(path)
+    if (path / MANIFEST).is_file():
+        verify_record(path)
     train, evals, bad = _read_metrics(path / "metrics.jsonl")
     return Run(
         path=path,
