@@ -29,8 +29,9 @@ def add_commands(subparsers) -> None:
                    help="run only these rows of the suite's regimes (default: all); the report covers every finished run of the seeds")
     add_output(p, "--out", folder=True, metavar="DIR", default=None, help="output folder (default: runs/<suite name>)")
     add_output(p, "--records", folder=True, metavar="DIR", default=None,
-               help="keep each finished run's config, meta, metrics and eval (no checkpoints) in "
-                    "DIR/<row>/seed<k>, and take recorded runs of the same config as finished")
+               help="keep each finished run's config, meta, metrics and eval (no checkpoints) with a "
+                    "checksum manifest in DIR/<row>/seed<k>, and take recorded runs of the same config "
+                    "that verify as finished")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time (default 1)")
     p.set_defaults(func=_run)
 
