@@ -445,3 +445,38 @@ def test_assisted_decoding_and_prompt_lookup_with_kept_keys_are_refused(mode, ll
     greedy = model.generate(_ids(prompt_len, seed=5), max_new_tokens=4, do_sample=False)
     assisted = model.generate(_ids(prompt_len, seed=5), max_new_tokens=4, do_sample=False, **extra)
     assert torch.equal(assisted, greedy)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("spec", [KeptKeys(4, 3, 3), KeptKeys(3, 3, 1, prefill_keys=2, prefill_block=6)])
+def test_a_model_patched_with_kept_keys_generates_with_them(spec, llama):
+    """``patch(..., kept_keys=)``: ``generate`` without a cache equals ``generate`` with
+    ``new_cache(model, kept_keys=)``, tokens and scores, greedy and sampled."""
+    import copy
+
+    heads, kv_heads, windows, sinks, prompt_len, *_ = CASES["gqa_kv_group_with_sinks"]
+    model = llama(heads, kv_heads)
+    hf.patch(model, torch.tensor(windows), sink_tokens=sinks, kept_keys=spec)
+    assert hf.patched_kept_keys(model) == spec and hf.patched_kept_keys(copy.deepcopy(model)) == spec
+    prompt = _ids(prompt_len, seed=5)
+    def scores(cache, **options):
+        torch.manual_seed(7)
+        out = model.generate(prompt, max_new_tokens=5, past_key_values=cache, output_scores=True,
+                             return_dict_in_generate=True, **options)
+        return out.sequences, torch.stack(out.scores)
+
+    for options in ({"do_sample": False}, {"do_sample": True, "top_k": 0}):
+        tokens, logits = scores(None, **options)
+        expected_tokens, expected = scores(hf.new_cache(model, kept_keys=spec), **options)
+        assert torch.equal(tokens, expected_tokens)
+        torch.testing.assert_close(logits, expected, atol=0, rtol=0)
+    # The kept keys change what is generated: the default is not ignored.
+    assert not torch.allclose(scores(hf.new_cache(model), do_sample=False)[1], scores(None, do_sample=False)[1])
+    hf.patch(model, torch.tensor(windows), sink_tokens=sinks)  # patching again replaces the kept keys
+    assert hf.patched_kept_keys(model) is None
+    hf.patch(model, torch.tensor(windows), sink_tokens=sinks, kept_keys=spec)
+    hf.unpatch(model)
+    with pytest.raises(ValueError, match="not patched"):
+        hf.patched_kept_keys(model)
+    with pytest.raises(TypeError, match="kept_keys must be an aah.hf.KeptKeys"):
+        hf.patch(model, torch.tensor(windows), kept_keys=(4, 3))

@@ -5,7 +5,8 @@ window (plus ``S`` always-visible sink tokens) through transformers' ``Attention
 ``unpatch`` undoes it. ``new_cache(model)`` is a KV cache that keeps only each head's window
 and sinks; a patched model's ``generate`` uses one unless it is given another cache.
 ``new_cache(model, kept_keys=KeptKeys(tail, keys))`` also lets the prompt's last tokens read
-everything and keeps, per KV head, the far keys they read most.
+everything and keeps, per KV head, the far keys they read most (``patch(model, windows,
+kept_keys=...)`` gives them to the cache ``generate`` builds).
 ``calibrate(model, batches, policy=...)`` chooses the windows on real text (``aah_v3``,
 ``uniform`` or ``budgeted``, the last by lost mass, by the estimated KL each window adds, or by
 that plus an answer loss on synthetic retrieval, optionally repaired by ``repair_windows``);
@@ -32,6 +33,7 @@ _EXPORTS = {
     "LayerWindows": "bridge.spec",
     "patch": "bridge.patch",
     "patched_windows": "bridge.spec",
+    "patched_kept_keys": "bridge.generation",
     "executed_coverage": "bridge.spec",
     "unpatch": "bridge.patch",
     "WindowCacheLayer": "bridge.cache",

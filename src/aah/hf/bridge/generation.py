@@ -11,6 +11,10 @@ under the same name, so ``save_pretrained`` writes the same architecture) whose 
 * anything else (``"offloaded"``, ``"offloaded_static"``, ``"quantized"``, ...): ``ValueError``
   naming these choices.
 
+The window cache it builds keeps the kept keys the model was patched with
+(``aah.hf.patch(model, windows, kept_keys=KeptKeys(...))``, :func:`patched_kept_keys`), so code that
+only calls ``generate`` (lm-evaluation-harness) decodes with them.
+
 Each setting is resolved as transformers resolves it (the keyword, the passed
 ``generation_config``, the model's). An explicit ``past_key_values`` is used as given. Assisted
 decoding and prompt lookup turn on the window cache's past recording, so ``crop`` takes back
@@ -26,10 +30,12 @@ from functools import cache
 
 import torch
 
-__all__ = ["CACHE_IMPLEMENTATIONS", "adopt", "release"]
+__all__ = ["CACHE_IMPLEMENTATIONS", "KEPT_KEYS_ATTR", "adopt", "patched_kept_keys", "release"]
 
 #: ``cache_implementation`` values a patched model's ``generate`` takes (``None``: unset).
 CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")
+#: The attribute of a patched model that holds the kept keys of the window caches its ``generate`` builds.
+KEPT_KEYS_ATTR = "_aah_kept_keys"
 
 
 class Adopted:
@@ -77,16 +83,28 @@ def patched_class(base: type) -> type:
     return adopted_class(_PatchedGeneration, base)
 
 
-def adopt(model: torch.nn.Module) -> None:
-    """Move ``model`` into its patched class (once)."""
+def adopt(model: torch.nn.Module, kept_keys=None) -> None:
+    """Move ``model`` into its patched class (once); the window caches its ``generate`` builds keep
+    ``kept_keys`` (an :class:`aah.hf.KeptKeys`, or ``None``)."""
     if not isinstance(model, _PatchedGeneration):
         model.__class__ = patched_class(type(model))
+    setattr(model, KEPT_KEYS_ATTR, kept_keys)
 
 
 def release(model: torch.nn.Module) -> None:
-    """Move ``model`` back to its own class."""
+    """Move ``model`` back to its own class, without kept keys."""
     if isinstance(model, _PatchedGeneration):
         model.__class__ = model._aah_base
+    if hasattr(model, KEPT_KEYS_ATTR):
+        delattr(model, KEPT_KEYS_ATTR)
+
+
+def patched_kept_keys(model: torch.nn.Module):
+    """The :class:`aah.hf.KeptKeys` of the window caches a patched model's ``generate`` builds (``None``:
+    none); ``ValueError`` when the model is not patched."""
+    if not isinstance(model, _PatchedGeneration):
+        raise ValueError(f"{type(model).__name__} is not patched by aah.hf.patch")
+    return getattr(model, KEPT_KEYS_ATTR, None)
 
 
 def _setting(name: str, kwargs: dict, passed, model):
@@ -113,7 +131,7 @@ def _with_window_cache(model, kwargs: dict) -> dict:
         return kwargs
     from .cache import new_cache
 
-    cache = new_cache(model)
+    cache = new_cache(model, kept_keys=getattr(model, KEPT_KEYS_ATTR, None))
     if _setting("is_assistant", kwargs, passed, model):  # an assistant's drafts are taken back by crop
         cache.activate_past_recording()
     return dict(kwargs, past_key_values=cache, cache_implementation=None)

@@ -19,6 +19,7 @@ from .._transformers import require
 from .attention import AAH_IMPLEMENTATION, OUTPUT_RECORDER_ATTR, RECORDER_ATTR, register
 from .block_step import adopt_layers, release_layers
 from .generation import adopt, release
+from .kept_keys import KeptKeys
 from .spec import (
     DEFAULT_SINK_TOKENS,
     SPEC_ATTR,
@@ -39,16 +40,21 @@ def patch(
     *,
     sink_tokens: int | None = None,
     backend: str = "auto",
+    kept_keys: KeptKeys | None = None,
 ) -> torch.nn.Module:
     """Give every query head of ``model`` its own causal window; returns ``model`` itself.
 
     ``windows`` is an int tensor of shape (num_layers, num_query_heads), or the path of a
     windows file (:func:`aah.hf.save_windows`), which is checked against ``model`` and whose
     ``sink_tokens`` are used unless ``sink_tokens`` is given (else
-    :data:`DEFAULT_SINK_TOKENS`). A wrong shape raises ``ValueError``. Patching a patched
-    model replaces its windows.
+    :data:`DEFAULT_SINK_TOKENS`). A wrong shape raises ``ValueError``. With ``kept_keys``, the
+    window cache ``generate`` builds when given none keeps them (:func:`aah.hf.new_cache`'s
+    ``kept_keys``; :func:`aah.hf.patched_kept_keys` reads them back). Patching a patched
+    model replaces its windows and its kept keys.
     """
     require()
+    if kept_keys is not None and not isinstance(kept_keys, KeptKeys):
+        raise TypeError(f"kept_keys must be an aah.hf.KeptKeys or None, got {type(kept_keys).__name__}")
     modules = attention_modules(model)
     if isinstance(windows, (str, os.PathLike)):
         path = windows
@@ -71,7 +77,7 @@ def patch(
         setattr(module, SPEC_ATTR, spec)
     if not hasattr(model, _PREVIOUS_ATTR):
         setattr(model, _PREVIOUS_ATTR, model.config._attn_implementation)
-    adopt(model)
+    adopt(model, kept_keys)
     adopt_layers(model)
     model.set_attn_implementation(AAH_IMPLEMENTATION)
     return model
