@@ -53,6 +53,39 @@ def test_aah_hf_patches_the_model_with_the_file(folder):
         AAHLM(pretrained=str(folder / "model"), device="cpu")
 
 
+def test_aah_hf_takes_kept_keys_from_model_args(folder, monkeypatch):
+    """tail_tokens, kept_keys, kept_pool, prefill_kept and prefill_block, from lm-eval's argument
+    string or as keywords, patch the model with them, and lm-eval's generation builds its window
+    cache with them; the checks of aah hf eval's flags refuse bad ones before the weights load."""
+    from aah.hf import KeptKeys, patched_kept_keys
+    from aah.hf.bridge import cache as cache_module
+    from aah.hf.evaluation.lm_eval_model import AAHLM
+
+    model, narrow = folder / "model", folder / "narrow.safetensors"
+    lm = AAHLM.create_from_arg_string(
+        f"pretrained={model},windows={narrow},tail_tokens=4,kept_keys=6,kept_pool=3,prefill_kept=2,prefill_block=16",
+        {"device": "cpu", "batch_size": 1},
+    )
+    spec = KeptKeys(4, 6, 3, prefill_keys=2, prefill_block=16)
+    assert lm.kept_keys == spec and patched_kept_keys(lm.model) == spec
+    built, new_cache = [], cache_module.new_cache
+    monkeypatch.setattr(cache_module, "new_cache",
+                        lambda m, **kwargs: built.append(kwargs.get("kept_keys")) or new_cache(m, **kwargs))
+    context = torch.randint(0, 50, (1, 40), generator=torch.Generator().manual_seed(0))
+    out = lm._model_generate(context, max_length=44, stop=["<eos>"], do_sample=False)
+    assert out.shape[1] > 40 and built == [spec]
+    plain = AAHLM(pretrained=str(model), windows=str(narrow), device="cpu", tail_tokens="4", kept_keys=6)
+    assert plain.kept_keys == KeptKeys(4, 6)
+    assert AAHLM(pretrained=str(model), windows=str(narrow), device="cpu").kept_keys is None
+    for bad, message in (({"tail_tokens": 4}, "tail_tokens and kept_keys go together"),
+                         ({"tail_tokens": 4, "kept_keys": 6, "kept_pool": 2}, "kept_pool must be odd"),
+                         ({"tail_tokens": "four", "kept_keys": 6}, "tail_tokens must be an integer"),
+                         ({"tail_tokens": 4, "kept_keys": 6, "prefill_block": 8}, "prefill_block needs prefill_kept"),
+                         ({"prefill_kept": 2}, "prefill_kept needs tail_tokens and kept_keys")):
+        with pytest.raises(ValueError, match=message):
+            AAHLM(pretrained=str(folder / "missing"), windows=str(narrow), device="cpu", **bad)
+
+
 @pytest.mark.slow
 def test_module_command_line_runs_niah_single_1(folder, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}

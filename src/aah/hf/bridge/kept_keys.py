@@ -45,7 +45,7 @@ pass and the blocks' scoring rows included, is its executed coverage (:func:`exe
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -55,8 +55,8 @@ from ...windows import causal_pairs, kv_group_reach, visible
 from .spec import executed_coverage
 
 __all__ = [
-    "KeptGroup", "KeptKeys", "KeptStore", "choose_kept", "executed_read_coverage", "kept_coverage",
-    "rolling_coverage_pairs", "rolling_kept_attention", "rolling_prefill", "tail_attention", "tail_coverage_pairs",
+    "KEPT_SETTINGS", "KeptGroup", "KeptKeys", "KeptStore", "choose_kept", "executed_read_coverage", "kept_coverage",
+    "kept_keys_from", "rolling_coverage_pairs", "rolling_kept_attention", "rolling_prefill", "tail_attention", "tail_coverage_pairs",
 ]
 
 
@@ -82,6 +82,40 @@ class KeptKeys:
                 raise ValueError(f"kept keys: {name} must be an integer >= {least}, got {value!r}")
         if self.pool_width % 2 == 0:
             raise ValueError(f"kept keys: pool_width must be odd, got {self.pool_width}")
+
+
+#: The names of the kept-keys settings: ``aah hf`` flags (``--tail-tokens``, ...), JSON config keys and
+#: lm-eval ``model_args``, in the order of :class:`KeptKeys`'s fields.
+KEPT_SETTINGS = ("tail_tokens", "kept_keys", "kept_pool", "prefill_kept", "prefill_block")
+
+
+def kept_keys_from(values: Mapping[str, int | None], name: Callable[[str], str] = str) -> KeptKeys | None:
+    """The :class:`KeptKeys` of the settings :data:`KEPT_SETTINGS` in ``values`` (missing or None: not
+    given), or ``None`` without ``tail_tokens`` and ``kept_keys`` (which go together). A setting
+    without what it needs, or a bad value, is a ``ValueError`` naming it as ``name`` spells it."""
+    tail_tokens, kept_keys, pool, prefill, block = (values.get(key) for key in KEPT_SETTINGS)
+    if tail_tokens is None and kept_keys is None:
+        for key, value in (("kept_pool", pool), ("prefill_kept", prefill), ("prefill_block", block)):
+            if value is not None:
+                raise ValueError(f"{name(key)} needs {name('tail_tokens')} and {name('kept_keys')}")
+        return None
+    if tail_tokens is None or kept_keys is None:
+        raise ValueError(f"{name('tail_tokens')} and {name('kept_keys')} go together: give both or neither")
+    if block is not None and not prefill:
+        raise ValueError(f"{name('prefill_block')} needs {name('prefill_kept')} >= 1")
+    pool = KeptKeys.pool_width if pool is None else pool
+    prefill = 0 if prefill is None else prefill
+    block = KeptKeys.prefill_block if block is None else block
+    given = dict(zip(KEPT_SETTINGS, (tail_tokens, kept_keys, pool, prefill, block)))
+    for key, least in zip(KEPT_SETTINGS, (1, 1, 1, 0, 1)):
+        value = given[key]
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name(key)} must be an integer, got {value!r}")
+        if value < least:
+            raise ValueError(f"{name(key)} must be >= {least}, got {value}")
+    if pool % 2 == 0:
+        raise ValueError(f"{name('kept_pool')} must be odd, got {pool}")
+    return KeptKeys(*given.values())
 
 
 @dataclass(eq=False)

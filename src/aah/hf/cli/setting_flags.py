@@ -42,29 +42,12 @@ def setting_flags(args: argparse.Namespace):
 def _kept_keys(args: argparse.Namespace):
     """The :class:`aah.hf.bridge.kept_keys.KeptKeys` of the flags (``--tail-tokens`` and ``--kept-keys``
     both or neither), or ``None``."""
-    tail_tokens, kept_keys, pool = args.tail_tokens, args.kept_keys, args.kept_pool
-    prefill, block = args.prefill_kept, args.prefill_block
-    if tail_tokens is None and kept_keys is None:
-        for flag, value in (("--kept-pool", pool), ("--prefill-kept", prefill), ("--prefill-block", block)):
-            if value is not None:
-                raise CLIError(f"{flag} needs --tail-tokens and --kept-keys")
-        return None
-    if tail_tokens is None or kept_keys is None:
-        raise CLIError("--tail-tokens and --kept-keys go together: give both or neither")
-    if block is not None and not prefill:
-        raise CLIError("--prefill-block needs --prefill-kept >= 1")
-    from ..bridge.kept_keys import KeptKeys
+    from ..bridge.kept_keys import kept_keys_from
 
-    pool = KeptKeys.pool_width if pool is None else pool
-    prefill = 0 if prefill is None else prefill
-    block = KeptKeys.prefill_block if block is None else block
-    for flag, value, least in (("--tail-tokens", tail_tokens, 1), ("--kept-keys", kept_keys, 1),
-                               ("--kept-pool", pool, 1), ("--prefill-kept", prefill, 0), ("--prefill-block", block, 1)):
-        if value < least:
-            raise CLIError(f"{flag} must be >= {least}, got {value}")
-    if pool % 2 == 0:
-        raise CLIError(f"--kept-pool must be odd, got {pool}")
-    return KeptKeys(tail_tokens, kept_keys, pool, prefill, block)
+    try:
+        return kept_keys_from(vars(args), lambda name: "--" + name.replace("_", "-"))
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
 
 
 def kept_keys_config(kept) -> dict:
