@@ -44,7 +44,7 @@ def test_corrupted_windows_files_are_refused_or_read_unchanged(tmp_path):
     good = save_windows(tmp_path / "good.safetensors", windows, meta).read_bytes()
     rng = random.Random(SEED)
     refused = 0
-    for trial in range(300):
+    for trial in range(1000):
         path = tmp_path / f"bad{trial}.safetensors"
         path.write_bytes(_corrupt(good, rng))
         try:
@@ -54,7 +54,7 @@ def test_corrupted_windows_files_are_refused_or_read_unchanged(tmp_path):
             refused += 1
         else:
             assert torch.equal(loaded, windows) and loaded_meta == meta, path.read_bytes()
-    assert refused > 250  # nearly every corruption touches what the file says
+    assert refused > 850  # nearly every corruption touches what the file says
 
 
 def _options(command: list[str]) -> list[str]:

@@ -2,9 +2,10 @@
 
 The file holds one int64 tensor ``windows`` of shape (num_layers, num_query_heads) and string
 metadata: the model (its type and shape, so a file for another model is refused), the
-sequence length, the policy, the budget, the sink tokens and the coverage figures, and a
-``sha256`` over the windows and the rest of the metadata, so that a damaged or edited file is
-refused rather than used (files written before it existed carry none and still load).
+sequence length, the policy, the budget, the sink tokens and the coverage figures. A second
+tensor, ``sha256`` (32 bytes), is the digest of the windows and the metadata, so that a damaged
+or edited file is refused rather than used; files written before it existed hold ``windows``
+alone and still load.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from ...windows import as_window_tensor
 __all__ = ["MAX_SINK_TOKENS", "MAX_WINDOW", "REQUIRED_META", "check_windows_for", "load_windows", "model_signature",
            "save_windows"]
 
-#: The metadata key of the file's checksum (:func:`_checksum`).
+#: The tensor holding the file's checksum (:func:`_checksum`).
 CHECKSUM = "sha256"
 #: Metadata every windows file carries.
 REQUIRED_META = ("model", "seq_len", "policy", "budget", "sink_tokens", "acr", "causal_coverage")
@@ -57,10 +58,10 @@ def save_windows(path: str | os.PathLike, windows: torch.Tensor, meta: dict[str,
     missing = [key for key in REQUIRED_META if key not in meta]
     if missing:
         raise ValueError(f"windows metadata lacks {missing}; required: {', '.join(REQUIRED_META)}")
-    encoded = {key: json.dumps(value) for key, value in meta.items() if key != CHECKSUM}
-    encoded[CHECKSUM] = json.dumps(_checksum(grid, encoded))
+    encoded = {key: json.dumps(value) for key, value in meta.items()}
+    digest = torch.tensor(list(bytes.fromhex(_checksum(grid, encoded))), dtype=torch.uint8)
     with atomic_path(path) as tmp:
-        save_file({"windows": grid.contiguous()}, str(tmp), metadata=encoded)
+        save_file({"windows": grid.contiguous(), CHECKSUM: digest}, str(tmp), metadata=encoded)
     return Path(path)
 
 
@@ -81,8 +82,8 @@ def load_windows(path: str | os.PathLike, model=None) -> tuple[torch.Tensor, dic
             raw = handle.metadata() or {}
     except (SafetensorError, OSError) as exc:
         raise ValueError(f"{path} is not a readable windows file: {exc}") from None
-    if set(tensors) != {"windows"}:
-        raise ValueError(f"{path} is not a windows file (tensors: {sorted(tensors)})")
+    if set(tensors) not in ({"windows"}, {"windows", CHECKSUM}):
+        raise ValueError(f"{path} is not a windows file, or a damaged one (tensors: {sorted(tensors)})")
     try:
         meta = {key: json.loads(value) for key, value in raw.items()}
     except json.JSONDecodeError as exc:
@@ -91,7 +92,7 @@ def load_windows(path: str | os.PathLike, model=None) -> tuple[torch.Tensor, dic
     if missing:
         raise ValueError(f"{path} lacks metadata {missing}")
     windows = _checked_windows(tensors["windows"], path)
-    if CHECKSUM in meta and meta.pop(CHECKSUM) != _checksum(windows, {k: v for k, v in raw.items() if k != CHECKSUM}):
+    if CHECKSUM in tensors and bytes(tensors[CHECKSUM].tolist()).hex() != _checksum(windows, raw):
         raise ValueError(f"{path}: its windows or metadata do not match its sha256; the file is damaged or was edited")
     _check_int(meta, "sink_tokens", 0, MAX_SINK_TOKENS, path)
     _check_int(meta, "seq_len", 1, MAX_WINDOW, path)
