@@ -125,11 +125,8 @@ def window_probe(model: torch.nn.Module, sink_tokens: int):
         q_len, k_len = query.shape[2], key.shape[2]
         qpos = torch.arange(k_len - q_len, k_len, device=query.device)[:, None]
         kpos = torch.arange(k_len, device=query.device)[None, :]
-        allowed = kpos <= qpos
         context = contexts[id(module)]
-        if context is not None:
-            allowed = allowed & (qpos - kpos < context)
-        mask = allowed[None, None]
+        mask = visible(qpos, kpos, k_len if context is None else context)[None, None]
         windows = active.get(module.layer_idx)
         if windows is not None and windows.shape[0] == 1 and q_len == k_len:
             # A whole windowed prompt (the repair's context read) runs as a patched layer runs it:
@@ -139,7 +136,7 @@ def window_probe(model: torch.nn.Module, sink_tokens: int):
         if windows is not None:
             w = windows.to(query.device)[:, :, None, None]  # (B, H, 1, 1)
             sinks = layer_sinks(sink_tokens, context)
-            mask = allowed & visible(qpos, kpos, w, sinks)
+            mask = mask & visible(qpos, kpos, w, sinks)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2).contiguous(), None
 

@@ -76,11 +76,8 @@ def window_output_change(
     pos = positions.to(q.device)
     qs = q[:, :, pos].float().reshape(b, kv, group, len(pos), d)
     keys = torch.arange(seq_len, device=q.device)
-    distance = pos[:, None] - keys[None, :]  # (S, T)
     scores = torch.einsum("bngsd,bntd->bngst", qs, k.float()) * scale
-    hidden = distance < 0
-    if context is not None:
-        hidden = hidden | (distance >= int(context))
+    hidden = ~visible(pos[:, None], keys[None, :], seq_len if context is None else int(context))  # (S, T)
     probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
     values = v.float()
     full = torch.einsum("bngst,bntd->bngsd", probs, values)
