@@ -18,11 +18,12 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+
+from ..data._files import atomic_path
 
 __all__ = [
     "MetricsLog", "write_json_atomic", "read_meta", "update_meta", "git_commit", "now_iso", "peak_memory_mb",
@@ -35,16 +36,9 @@ def now_iso() -> str:
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=2, sort_keys=True)
-            fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write ``data`` as JSON to ``path`` atomically, with the user's umask (colleagues may read it)."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def read_meta(run_dir: Path) -> dict:

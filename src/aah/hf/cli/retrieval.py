@@ -84,6 +84,7 @@ def _retrieval(args: argparse.Namespace) -> int:
     from ..evaluation.retrieval import (
         AnswerJournal,
         draw_heatmaps,
+        model_key,
         run_settings,
         score,
         setting_facts,
@@ -112,7 +113,7 @@ def _retrieval(args: argparse.Namespace) -> int:
     aah = Setting("aah", windows, sinks, kept)
     journal = None
     if args.answers:
-        model_tag = hashlib.sha256(str(Path(args.model_dir).resolve()).encode()).hexdigest()[:16]
+        model_tag = model_key(args.model_dir)[:16]  # the model's content, not its path
         override = b"" if sinks == file_sinks else f"|sinks{sinks}".encode()
         if kept is not None:
             override += f"|tail{kept.tail_tokens}|kept{kept.keys_per_head}|pool{kept.pool_width}".encode()
