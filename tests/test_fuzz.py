@@ -112,3 +112,57 @@ def test_random_command_lines_end_in_one_line_and_exit_2(command, tmp_path, caps
         assert "Traceback" not in err, (argv, err)
         last = err.strip().splitlines()[-1]
         assert last.startswith(("aah", "usage:")) or "error:" in last, (argv, err)
+
+
+def test_corrupted_records_are_refused_naming_the_file(tmp_path):
+    """A record (a run kept by ``aah experiment --records``) with any file damaged is refused by its
+    manifest, naming the file; never read as a run with other numbers."""
+    from aah.experiment import RecordError
+    from aah.report.runs import load_run
+
+    from .report.test_records import _record
+
+    rng = random.Random(SEED + 1)
+    for trial in range(60):
+        folder = _record(tmp_path / f"r{trial}")
+        damaged = folder / rng.choice(("config.yaml", "meta.json", "metrics.jsonl", "eval.json", "manifest.json"))
+        before = damaged.read_bytes()
+        after = _corrupt(before, rng)
+        if after == before:
+            continue
+        damaged.write_bytes(after)
+        with pytest.raises(RecordError) as refused:
+            load_run(folder)
+        assert damaged.name in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_corrupted_answer_journals_are_refused_or_lose_only_damaged_answers(tmp_path):
+    """A damaged answers journal is refused (its model line) or re-decodes the damaged answers:
+    every answer it still gives is one that was written."""
+    from aah.hf.evaluation.retrieval import AnswerJournal, JournalError
+    from aah.hf.evaluation.tasks import Sample
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    (model / "model.safetensors").write_bytes(bytes(range(256)) * 4)
+    samples = [Sample(task="passkey", length=64, depth=0.5, trial=t, input_ids=(1, 2, t), answers=("7",),
+                      max_new_tokens=4, needle_depth=0.5) for t in range(12)]
+    first = AnswerJournal(tmp_path / "good.jsonl", "m" * 16, "w" * 16)
+    first.bind(model)
+    written = {}
+    for sample in samples:
+        first.add("aah", sample, f"answer {sample.trial} is {sample.trial * 7919}")
+        written[first.key("aah", sample)] = f"answer {sample.trial} is {sample.trial * 7919}"
+    good = (tmp_path / "good.jsonl").read_bytes()
+    rng = random.Random(SEED + 2)
+    for trial in range(200):
+        path = tmp_path / f"j{trial}.jsonl"
+        path.write_bytes(_corrupt(good, rng))
+        try:
+            journal = AnswerJournal(path, "m" * 16, "w" * 16)
+            journal.bind(model)
+        except JournalError as exc:
+            assert str(path) in str(exc) and "\n" not in str(exc)
+            continue
+        assert all(written.get(key) == text for key, text in journal.done.items()), path.read_bytes()

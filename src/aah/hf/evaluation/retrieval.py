@@ -92,7 +92,8 @@ class AnswerJournal:
     it besides the model: the ``model_tag`` alone for the ``full`` setting (its answers are
     reused by runs with other windows files), the ``model_tag`` and the ``windows_tag`` for the
     others; then the setting's name and a digest of the sample's prompt tokens and answer
-    length. A line cut short by a crash is ignored. :meth:`bind` (which :func:`run_settings`
+    length. Each answer line carries a ``check`` digest of its key and text: a line cut short by
+    a crash, or damaged since, fails it and is ignored (that answer is decoded again). :meth:`bind` (which :func:`run_settings`
     calls with the model's folder) refuses a journal of another model's content, and one
     written before journals named their model.
     """
@@ -102,7 +103,8 @@ class AnswerJournal:
         self.done: dict[str, str] = {}
         self.model: str | None = None  # the model_key the journal was written for
         self.bound: Path | None = None
-        lines = self.path.read_text().splitlines() if self.path.exists() else []
+        self.answer_lines = 0  # answer lines read, whether or not they passed their check
+        lines = self.path.read_text(errors="replace").splitlines() if self.path.exists() else []  # damage fails a check
         for index, line in enumerate(lines):
             try:
                 entry = json.loads(line)
@@ -110,8 +112,10 @@ class AnswerJournal:
                 continue
             if index == 0 and isinstance(entry, dict) and isinstance(entry.get("model"), str):
                 self.model = entry["model"]
-            elif isinstance(entry, dict) and isinstance(entry.get("text"), str):
-                self.done[str(entry.get("key"))] = entry["text"]
+            elif isinstance(entry, dict) and "text" in entry:
+                self.answer_lines += 1
+                if entry.get("check") == _line_check(entry.get("key"), entry.get("text")):
+                    self.done[entry["key"]] = entry["text"]
 
     def bind(self, model_dir: str | Path | None) -> None:
         """Tie the journal to the content of ``model_dir``: a new journal records it, one written
@@ -122,7 +126,7 @@ class AnswerJournal:
         if not model_dir or not Path(model_dir).is_dir():
             raise JournalError(f"answers journal {self.path}: the model has no folder to identify it by "
                                f"({model_dir!r})")
-        if self.model is None and self.done:
+        if self.model is None and self.answer_lines:
             raise JournalError(f"answers journal {self.path} does not record which model it was written for "
                                f"(an older journal); {start_over}")
         folder = Path(model_dir)
@@ -147,7 +151,14 @@ class AnswerJournal:
         key = self.key(setting, sample)
         self.done[key] = text
         with self.path.open("a") as fh:
-            fh.write(json.dumps({"key": key, "text": text}) + "\n")
+            fh.write(json.dumps({"key": key, "text": text, "check": _line_check(key, text)}) + "\n")
+
+
+def _line_check(key: object, text: object) -> str | None:
+    """The digest an answer line carries of its key and text (``None`` for a line without them)."""
+    if not isinstance(key, str) or not isinstance(text, str):
+        return None
+    return hashlib.sha256(json.dumps([key, text]).encode()).hexdigest()[:16]
 
 
 def run_settings(model, tokenizer, settings: Sequence[Setting], samples: Sequence[Sample],
