@@ -118,6 +118,13 @@ def test_windows_file_round_trip_and_refusals(tmp_path):
     (tmp_path / "bad.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ValueError, match="not a readable windows file"):
         load_windows(tmp_path / "bad.safetensors")
+    # A file written before windows files carried their checksum (the windows tensor alone) still loads.
+    from safetensors.torch import save_file
+
+    save_file({"windows": windows}, str(tmp_path / "old.safetensors"),
+              metadata={key: json.dumps(value) for key, value in meta.items()})
+    old, old_meta = load_windows(tmp_path / "old.safetensors")
+    assert torch.equal(old, windows) and old_meta == meta
 
 
 # ---- the budgeted policy ----------------------------------------------------------------------
