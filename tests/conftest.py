@@ -4,6 +4,7 @@ offline tokenizer, a tiny random Llama."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -129,3 +130,11 @@ def _backend_choice_cache(tmp_path_factory):
         os.environ.pop("AAH_CACHE_DIR", None)
     else:
         os.environ["AAH_CACHE_DIR"] = old
+
+
+def text_corpus(folder: Path, text: str, documents: int) -> Path:
+    """A corpus folder of ``documents`` small text files, each ``text`` and its number (made offline)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(documents):
+        (folder / f"doc{i}.txt").write_text(f"{text} part {i}\n")
+    return folder

@@ -7,14 +7,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ..conftest import text_corpus
+
 
 @pytest.fixture(scope="module")
 def tiny_suite(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("suite")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    for i in range(5):
-        (corpus / f"d{i}.txt").write_text(("to be or not to be, that is the question. " * 30) + str(i))
+    corpus = text_corpus(root / "corpus", "to be or not to be, that is the question. " * 30, 5)
     base = {
         "model": {"n_layers": 1, "d_model": 32, "n_heads": 4},
         "data": {"corpus": str(corpus), "seq_len": 32, "cache_dir": str(root / "cache"), "val_fraction": 0.3},

@@ -13,6 +13,8 @@ from aah.experiment import RecordError, write_manifest
 from aah.report import cli as report_cli
 from aah.report.runs import load_run
 
+from ..experiment.test_records import DAMAGE as RECORD_DAMAGE
+
 
 def _record(root: Path) -> Path:
     """A finished, evaluated run of full attention kept as a record."""
@@ -29,22 +31,10 @@ def _record(root: Path) -> Path:
     return folder
 
 
-def _cut(path: Path, keep) -> None:
-    path.write_bytes(path.read_bytes()[:keep(path.stat().st_size)])
-
-
-def _edit(path: Path) -> None:
-    path.write_text(json.dumps({**json.loads(path.read_text()), "val_loss": 0.1}))
-
-
-DAMAGE = {
-    "metrics.jsonl cut mid-line": ("metrics.jsonl", lambda p: _cut(p, lambda n: n - 5), "truncated?"),
-    "eval.json truncated": ("eval.json", lambda p: _cut(p, lambda n: n // 2), "truncated?"),
-    "eval.json edited": ("eval.json", _edit, "does not match its sha256"),
-    "meta.json truncated": ("meta.json", lambda p: _cut(p, lambda n: n // 2), "truncated?"),
-    "eval.json missing": ("eval.json", lambda p: p.unlink(), "is missing"),
-    "manifest.json unreadable": ("manifest.json", lambda p: _cut(p, lambda n: n // 2), "cannot be read"),
-}
+#: The record damages of the suite's tests, less the missing manifest (a folder without one is a
+#: plain run folder to aah report), plus a manifest that cannot be read.
+DAMAGE = {name: damage for name, damage in RECORD_DAMAGE.items() if damage[0] != "manifest.json"}
+DAMAGE["manifest.json unreadable"] = ("manifest.json", lambda p: p.write_bytes(p.read_bytes()[:40]), "cannot be read")
 
 
 def test_an_intact_record_reads_as_its_run(tmp_path):

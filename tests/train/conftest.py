@@ -10,6 +10,8 @@ import pytest
 from aah.config import load_config
 from aah.train import train
 
+from ..conftest import text_corpus
+
 TEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune. "
 
 
@@ -17,10 +19,7 @@ TEXT = "It is a truth universally acknowledged, that a single man in possession 
 def trained(tmp_path_factory) -> Path:
     """A finished 12-step run with dropout and checkpoints at steps 4, 8 and 12 (copied before damage)."""
     root = tmp_path_factory.mktemp("ckpt")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    for i in range(4):
-        (corpus / f"doc{i}.txt").write_text(TEXT * 14 + f" part {i}\n")
+    corpus = text_corpus(root / "corpus", TEXT * 14, 4)
     overrides = [
         "model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.dropout=0.1",
         f"data.corpus={corpus}", "data.seq_len=32", f"data.cache_dir={root / 'cache'}", "data.val_fraction=0.3",
