@@ -10,20 +10,7 @@ import typing
 import pytest
 
 from aah import regimes
-from aah.config import (
-    SECTIONS,
-    AAHConfig,
-    DataConfig,
-    EvalConfig,
-    LogConfig,
-    ModelConfig,
-    OptimConfig,
-    RunConfig,
-    TrainConfig,
-    controller_config,
-    load_config,
-    model_config,
-)
+from aah.config import load_config, schemas
 from aah.controller import ControllerConfig
 from aah.model import GPTConfig
 
@@ -34,7 +21,7 @@ from .conftest import raises_naming
 
 def test_defaults():
     cfg = load_config(None)
-    assert cfg == RunConfig()
+    assert cfg == schemas.RunConfig()
     assert cfg.aah.regime == "full_adaptive"
     assert cfg.aah.overrides() == {}
     assert cfg.model.vocab_size is None and cfg.model.max_seq_len is None
@@ -58,12 +45,12 @@ def test_sections_are_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.train.max_steps = 5  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
-        cfg.train = TrainConfig()  # type: ignore[misc]
+        cfg.train = schemas.TrainConfig()  # type: ignore[misc]
 
 
 def test_model_section_mirrors_gpt_config():
     gpt = {f.name: f.default for f in dataclasses.fields(GPTConfig)}
-    ours = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    ours = {f.name: f.default for f in dataclasses.fields(schemas.ModelConfig)}
     assert set(ours) == set(gpt)
     for name, default in ours.items():
         expected = None if name in ("vocab_size", "max_seq_len") else gpt[name]
@@ -72,9 +59,9 @@ def test_model_section_mirrors_gpt_config():
 
 def test_aah_section_mirrors_controller_config():
     ctrl_hints = typing.get_type_hints(ControllerConfig)
-    aah_hints = typing.get_type_hints(AAHConfig)
+    aah_hints = typing.get_type_hints(schemas.AAHConfig)
     expected = set(ctrl_hints) - {"seed", "enabled"} | {"regime"}
-    assert {f.name for f in dataclasses.fields(AAHConfig)} == expected
+    assert {f.name for f in dataclasses.fields(schemas.AAHConfig)} == expected
     for name in expected - {"regime"}:
         assert aah_hints[name] == ctrl_hints[name] | None, name
 # --- validation -----------------------------------------------------------------------------
@@ -142,24 +129,24 @@ def test_valid_edge_values_pass():
         ],
     )
     assert cfg.max_seq_len == 2048 and cfg.data.seq_len == 1024
-    assert controller_config(cfg).windows == (256, 1024)
+    assert schemas.controller_config(cfg).windows == (256, 1024)
 def test_direct_construction_is_validated():
     with raises_naming("train.max_steps", ">= 1"):
-        TrainConfig(max_steps=0)
+        schemas.TrainConfig(max_steps=0)
     with raises_naming("train.batch_size: expected int, got '4'"):
-        TrainConfig(batch_size="4")
+        schemas.TrainConfig(batch_size="4")
     with raises_naming("aah.windows", "ascending"):
-        AAHConfig(windows=(4, 2))
+        schemas.AAHConfig(windows=(4, 2))
     with raises_naming("aah.windows", "1024"):
-        RunConfig(aah=AAHConfig(windows=(512, 2048)))
-    assert TrainConfig(checkpoint_steps=[3, 1]).checkpoint_steps == (1, 3)
-    assert dataclasses.replace(RunConfig(), train=TrainConfig(max_steps=3)).train.max_steps == 3
+        schemas.RunConfig(aah=schemas.AAHConfig(windows=(512, 2048)))
+    assert schemas.TrainConfig(checkpoint_steps=[3, 1]).checkpoint_steps == (1, 3)
+    assert dataclasses.replace(schemas.RunConfig(), train=schemas.TrainConfig(max_steps=3)).train.max_steps == 3
 # --- controller and model settings ----------------------------------------------------------
 
 
 def test_controller_config():
-    assert controller_config(load_config(None, ["aah.regime=full_attention"])) is None
-    assert controller_config(load_config(None, ["aah.regime=full_attention", "aah.windows=[64,128]"])) is None
+    assert schemas.controller_config(load_config(None, ["aah.regime=full_attention"])) is None
+    assert schemas.controller_config(load_config(None, ["aah.regime=full_attention", "aah.windows=[64,128]"])) is None
     cfg = load_config(
         None,
         [
@@ -170,7 +157,7 @@ def test_controller_config():
             "aah.control_interval=10",
         ],
     )
-    ctrl = controller_config(cfg)
+    ctrl = schemas.controller_config(cfg)
     assert isinstance(ctrl, ControllerConfig)
     assert ctrl.seed == 42
     assert ctrl.windows == (128, 256, 512, 1024)
@@ -184,25 +171,25 @@ def test_controller_config():
 
 def test_model_config():
     cfg = load_config(None, ["data.seq_len=512", "model.n_layers=2"])
-    m = model_config(cfg, 300)
+    m = schemas.model_config(cfg, 300)
     assert isinstance(m, GPTConfig)
     assert (m.vocab_size, m.max_seq_len, m.n_layers) == (300, 512, 2)
-    m = model_config(load_config(None, ["data.seq_len=512", "model.max_seq_len=2048"]), 256)
+    m = schemas.model_config(load_config(None, ["data.seq_len=512", "model.max_seq_len=2048"]), 256)
     assert m.max_seq_len == 2048
     padded = load_config(None, ["model.vocab_size=512"])
-    assert model_config(padded, 300).vocab_size == 512
+    assert schemas.model_config(padded, 300).vocab_size == 512
     with raises_naming("model.vocab_size", "300"):
-        model_config(load_config(None, ["model.vocab_size=256"]), 300)
+        schemas.model_config(load_config(None, ["model.vocab_size=256"]), 300)
     with raises_naming("vocab_size"):
-        model_config(cfg, 0)
+        schemas.model_config(cfg, 0)
 
 
 def test_run_config_key_window_granularity() -> None:
-    from aah.config import ConfigError, controller_config, load_config
+    from aah.config import ConfigError, load_config
 
-    assert controller_config(load_config(None)).window_granularity == "head"
+    assert schemas.controller_config(load_config(None)).window_granularity == "head"
     cfg = load_config(None, ["aah.window_granularity=kv_group"])
-    assert controller_config(cfg).window_granularity == "kv_group"
+    assert schemas.controller_config(cfg).window_granularity == "kv_group"
     with pytest.raises(ConfigError, match=r"aah\.window_granularity.*head, kv_group"):
         load_config(None, ["aah.window_granularity=layer"])
 
@@ -210,11 +197,11 @@ def test_run_config_key_window_granularity() -> None:
 # --- declared fields ------------------------------------------------------------------------
 
 FIELDS = {
-    ModelConfig: [
+    schemas.ModelConfig: [
         "vocab_size", "n_layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "max_seq_len", "norm",
         "activation", "positional", "rope_base", "tie_embeddings", "dropout", "bias", "backend",
     ],
-    AAHConfig: [
+    schemas.AAHConfig: [
         "regime", "windows", "min_window", "control_interval", "control_warmup", "feature_ema",
         "resolution_ema", "grouping", "hierarchy", "max_depth", "topology", "scoring", "parent_constraint",
         "upper_levels", "keep_collapsed_top", "standardize_features", "diagnostics_context",
@@ -223,20 +210,20 @@ FIELDS = {
         "uniform_exact", "lost_mass_ema", "window_granularity", "warmup_trigger", "far_cost_threshold",
         "far_cost_patience", "warmup_max_steps",
     ],
-    DataConfig: [
+    schemas.DataConfig: [
         "corpus", "tokenizer", "seq_len", "val_fraction", "bpe_vocab_size", "cache_dir", "val_corpus",
         "recall_fraction", "recall_pairs", "recall_value_len", "recall_distance", "recall_seed", "recall_keys",
     ],
-    OptimConfig: [
+    schemas.OptimConfig: [
         "lr", "weight_decay", "beta1", "beta2", "eps", "warmup_steps", "min_lr_ratio", "decay_steps", "grad_clip",
     ],
-    TrainConfig: [
+    schemas.TrainConfig: [
         "max_steps", "batch_size", "grad_accum", "seed", "checkpoint_every", "checkpoint_steps", "precision",
         "compile", "device", "out_dir", "distributed",
     ],
-    EvalConfig: ["every", "batches", "batch_size"],
-    LogConfig: ["every", "tensorboard", "progress"],
-    RunConfig: list(SECTIONS),
+    schemas.EvalConfig: ["every", "batches", "batch_size"],
+    schemas.LogConfig: ["every", "tensorboard", "progress"],
+    schemas.RunConfig: list(schemas.SECTIONS),
 }
 
 
@@ -259,22 +246,22 @@ def test_fields_are_declared_in_the_class_body(cls):
 @pytest.mark.parametrize(
     "cls,values,parts",
     [
-        (ModelConfig, {"d_ff": 0}, ["model.d_ff: must be >= 1, got 0"]),
-        (ModelConfig, {"n_heads": 7}, ["model.n_heads: must divide d_model (256), got 7"]),
-        (ModelConfig, {"norm": "batchnorm"}, ["model.norm: must be one of layernorm, rmsnorm; got 'batchnorm'"]),
-        (ModelConfig, {"backend": ""}, ["model.backend"]),
-        (ModelConfig, {"vocab_size": 0}, ["model.vocab_size: must be >= 1, got 0"]),
-        (ModelConfig, {"n_layers": 2.5}, ["model.n_layers: expected int, got 2.5"]),
-        (AAHConfig, {"regime": "nope"}, ["aah.regime: unknown regime 'nope'; known regimes: full_attention"]),
-        (AAHConfig, {"base_hidden": 0}, ["aah.base_hidden: must be >= 1, got 0"]),
-        (AAHConfig, {"joint_hidden": 0}, ["aah.joint_hidden: must be >= 1, got 0"]),
-        (AAHConfig, {"budget_scope": "x"}, ["aah.budget_scope: must be one of layer, model; got 'x'"]),
-        (AAHConfig, {"lost_mass_ema": 1.0}, ["aah.lost_mass_ema: must be in [0, 1), got 1.0"]),
-        (DataConfig, {"recall_keys": "x"}, ["data.recall_keys: must be one of digits, byte; got 'x'"]),
-        (OptimConfig, {"eps": 0}, ["optim.eps: must be > 0, got 0.0"]),
-        (TrainConfig, {"device": "tpu"}, ["train.device: must be one of auto, cpu, cuda; got 'tpu'"]),
-        (EvalConfig, {"batch_size": 0}, ["eval.batch_size: must be >= 1, got 0"]),
-        (LogConfig, {"progress": "yes"}, ["log.progress: expected bool, got 'yes'"]),
+        (schemas.ModelConfig, {"d_ff": 0}, ["model.d_ff: must be >= 1, got 0"]),
+        (schemas.ModelConfig, {"n_heads": 7}, ["model.n_heads: must divide d_model (256), got 7"]),
+        (schemas.ModelConfig, {"norm": "batchnorm"}, ["model.norm: must be one of layernorm, rmsnorm; got 'batchnorm'"]),
+        (schemas.ModelConfig, {"backend": ""}, ["model.backend"]),
+        (schemas.ModelConfig, {"vocab_size": 0}, ["model.vocab_size: must be >= 1, got 0"]),
+        (schemas.ModelConfig, {"n_layers": 2.5}, ["model.n_layers: expected int, got 2.5"]),
+        (schemas.AAHConfig, {"regime": "nope"}, ["aah.regime: unknown regime 'nope'; known regimes: full_attention"]),
+        (schemas.AAHConfig, {"base_hidden": 0}, ["aah.base_hidden: must be >= 1, got 0"]),
+        (schemas.AAHConfig, {"joint_hidden": 0}, ["aah.joint_hidden: must be >= 1, got 0"]),
+        (schemas.AAHConfig, {"budget_scope": "x"}, ["aah.budget_scope: must be one of layer, model; got 'x'"]),
+        (schemas.AAHConfig, {"lost_mass_ema": 1.0}, ["aah.lost_mass_ema: must be in [0, 1), got 1.0"]),
+        (schemas.DataConfig, {"recall_keys": "x"}, ["data.recall_keys: must be one of digits, byte; got 'x'"]),
+        (schemas.OptimConfig, {"eps": 0}, ["optim.eps: must be > 0, got 0.0"]),
+        (schemas.TrainConfig, {"device": "tpu"}, ["train.device: must be one of auto, cpu, cuda; got 'tpu'"]),
+        (schemas.EvalConfig, {"batch_size": 0}, ["eval.batch_size: must be >= 1, got 0"]),
+        (schemas.LogConfig, {"progress": "yes"}, ["log.progress: expected bool, got 'yes'"]),
     ],
 )
 def test_bad_values_name_the_field(cls, values, parts):

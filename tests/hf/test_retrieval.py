@@ -9,7 +9,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-tokenizers = pytest.importorskip("tokenizers")
+pytest.importorskip("tokenizers")  # the tiny models' tokenizers are trained with it
 
 from aah.cli import main  # noqa: E402
 from aah.data.corpora import CorpusNotFoundError  # noqa: E402
