@@ -36,6 +36,7 @@ BLOCK = "compiled block"
 ATTENTION = "compiled attention"
 MASKED = "masked"
 
+
 @dataclass(frozen=True)
 class Route:
     """A route; where a faster compiled route was not taken, why (``None`` where none was); and,

@@ -23,6 +23,7 @@ import hashlib
 import json
 import math
 from collections.abc import Sequence
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -72,11 +73,18 @@ def generate_answers(model, setting: Setting, sample: Sample, tokenizer) -> str:
 
 def model_key(folder: str | Path) -> str:
     """The sha256 of a model folder's content: the name, size and sha256 of each of its files
-    (weights, ``config.json``, tokenizer; hidden files and subfolders aside), every byte read once."""
+    (weights, ``config.json``, tokenizer; hidden files and subfolders aside). Asked again in the
+    same process about unchanged files (same names, sizes and modification times), it reads
+    nothing again: the command line and the journal ask once each."""
+    files = sorted(p for p in Path(folder).resolve().iterdir() if p.is_file() and not p.name.startswith("."))
+    return _content_key(tuple((path, path.stat().st_size, path.stat().st_mtime_ns) for path in files))
+
+
+@lru_cache(maxsize=8)
+def _content_key(files: tuple[tuple[Path, int, int], ...]) -> str:
     digest = hashlib.sha256()
-    for path in sorted(Path(folder).iterdir()):
-        if path.is_file() and not path.name.startswith("."):
-            digest.update(f"{path.name}\0{path.stat().st_size}\0{sha256_file(path)}\n".encode())
+    for path, size, _ in files:
+        digest.update(f"{path.name}\0{size}\0{sha256_file(path)}\n".encode())
     return digest.hexdigest()
 
 
