@@ -657,3 +657,176 @@ def test_every_hf_command_refuses_an_unsupported_model_in_one_line(tiny_model_di
     capsys.readouterr()  # what saving the folders printed
     line = _error(["hf", command, str(folder), *argv], capsys)
     assert str(folder) in line and "aah.hf supports decoder-only causal LMs" in line
+
+
+# ---- policy duo: full length or one short window, ranked by the answer loss -------------------
+
+# Per-head answer-loss rise at the short window, (L=2, H=4); the KV groups are heads {0, 1} and {2, 3}.
+# Group sums: (0, 0) 0.3, (0, 1) 0.5, (1, 0) 0.5, (1, 1) 0.1, so the ranking is (0, 1) (the tie with
+# (1, 0) goes to the lower layer), (1, 0), (0, 0), (1, 1). By head: (0, 2) 0.5, (1, 0) and (1, 1)
+# 0.25 (lower index first), (0, 1) 0.2, (0, 0) and (1, 3) 0.1 (lower layer first), (0, 3) and
+# (1, 2) 0 (lower layer first).
+DUO_RISE = torch.tensor([[0.1, 0.2, 0.5, 0.0], [0.25, 0.25, 0.0, 0.1]])
+DUO_GROUP_RANKING = [(0, 1), (1, 0), (0, 0), (1, 1)]
+DUO_HEAD_RANKING = [(0, 2), (1, 0), (1, 1), (0, 1), (0, 0), (1, 3), (0, 3), (1, 2)]
+
+
+def _duo_budget(full_heads: int, heads: int, window: int, seq_len: int, sinks: int) -> float:
+    """The least budget (to 1e-9, rounded up) at which ``full_heads`` of ``heads`` heads take ``seq_len``."""
+    pairs = full_heads * causal_pairs(seq_len, seq_len) + (heads - full_heads) * causal_pairs(window, seq_len,
+                                                                                               sink_tokens=sinks)
+    return min(1.0, math.ceil(Fraction(pairs, heads * seq_len * (seq_len + 1) // 2) * 10**9) / 10**9)
+
+
+def _expected_duo(ranking, taken: int, window: int, seq_len: int, per: int) -> torch.Tensor:
+    want = torch.full((2, 4), window)
+    for layer, item in ranking[:taken]:
+        want[layer, item * per:(item + 1) * per] = seq_len
+    return want
+
+
+@pytest.mark.parametrize("granularity,ranking,per", [("kv_group", DUO_GROUP_RANKING, 2), ("head", DUO_HEAD_RANKING, 1)])
+@pytest.mark.parametrize("sinks", [0, 2])
+def test_duo_windows_give_full_length_to_the_top_of_the_hand_worked_ranking(granularity, ranking, per, sinks):
+    from aah.hf.calibration.policies import duo_windows
+
+    for taken in range(len(ranking) + 1):
+        budget = _duo_budget(taken * per, 8, 8, 64, sinks)
+        got = duo_windows(DUO_RISE, 8, budget, 64, sink_tokens=sinks, num_kv_heads=2, granularity=granularity)
+        assert torch.equal(got, _expected_duo(ranking, taken, 8, 64, per)), (taken, got)
+        assert set(got.flatten().tolist()) <= {8, 64}
+        assert causal_coverage(got, 64, sink_tokens=sinks) <= budget
+        if granularity == "kv_group":
+            assert torch.equal(got[:, 0::2], got[:, 1::2])  # one window per KV group
+        # Just below that budget one item fewer fits.
+        if taken:
+            below = duo_windows(DUO_RISE, 8, budget - 1e-6, 64, sink_tokens=sinks, num_kv_heads=2,
+                                granularity=granularity)
+            assert torch.equal(below, _expected_duo(ranking, taken - 1, 8, 64, per))
+
+
+def test_duo_windows_cost_a_layers_own_sliding_window_as_it_runs():
+    """Layer 1 slides within 16 tokens (no sinks there): its groups cost little to widen, so where
+    the second-ranked group (in layer 0) no longer fits, both groups of layer 1 after it still do."""
+    from aah.hf.calibration.policies import duo_windows
+
+    rise = torch.tensor([[0.6, 0.6, 1.0, 1.0], [0.5, 0.5, 0.2, 0.2]])  # ranking (0, 1), (0, 0), (1, 0), (1, 1)
+    short0, full0 = causal_pairs(8, 64, sink_tokens=4), causal_pairs(64, 64)
+    full1 = causal_pairs(16, 64)
+    budget = math.ceil(Fraction(2 * full0 + 2 * short0 + 4 * full1, 8 * (64 * 65 // 2)) * 10**9) / 10**9
+    got = duo_windows(rise, 8, budget, 64, sink_tokens=4, num_kv_heads=2, layer_windows=[None, 16])
+    assert torch.equal(got, torch.tensor([[8, 8, 64, 64], [64, 64, 64, 64]]))
+    # Without the sliding window, layer 1 costs what layer 0 does: only the first-ranked group fits.
+    got = duo_windows(rise, 8, budget, 64, sink_tokens=4, num_kv_heads=2)
+    assert torch.equal(got, torch.tensor([[8, 8, 64, 64], [8, 8, 8, 8]]))
+
+
+def test_duo_calibration_ranks_by_the_answer_loss_at_the_short_window(monkeypatch):
+    """``calibrate(policy="duo")`` measures the answer loss of each KV group at the candidates
+    (W, T) and hands the W column to the ranking: with a known table the choice is exact."""
+    import aah.hf.calibration.policies as policies
+
+    calls = []
+
+    def fake_answer_loss(model, sequences, candidates, *, sink_tokens, items, progress=False, full_nll=None):
+        calls.append((tuple(candidates), [list(i) for i in items], sink_tokens, len(sequences)))
+        return torch.stack([DUO_RISE, torch.zeros(2, 4)], dim=-1)
+
+    monkeypatch.setattr(policies, "measure_answer_loss", fake_answer_loss)
+    model = _llama()
+    budget = _duo_budget(4, 8, 8, 64, 2)
+    got = calibrate(model, _batches(1), policy="duo", budget=budget, sink_tokens=2, duo_window=8,
+                    retrieval=["a", "b"])
+    assert calls == [((8, 64), [[0, 1], [2, 3]], 2, 2)]
+    assert torch.equal(got, _expected_duo(DUO_GROUP_RANKING, 2, 8, 64, 2))
+    assert policies.duo_full_items(got, 64, num_kv_heads=2) == [[0, 1], [1, 0]]
+    heads = calibrate(model, _batches(1), policy="duo", budget=_duo_budget(3, 8, 8, 64, 2), sink_tokens=2,
+                      duo_window=8, retrieval=["a"], granularity="head")
+    assert calls[-1][:2] == ((8, 64), [[0], [1], [2], [3]])
+    assert torch.equal(heads, _expected_duo(DUO_HEAD_RANKING, 3, 8, 64, 1))
+    assert policies.duo_full_items(heads, 64, granularity="head") == [[0, 2], [1, 0], [1, 1]]
+
+
+def test_duo_calibration_errors_name_the_numbers():
+    model, batch = _llama(), _batches(1)
+    with pytest.raises(ValueError, match="policy 'duo' needs a budget"):
+        calibrate(model, batch, policy="duo", duo_window=8, retrieval=["a"])
+    smallest = causal_coverage([8], 64, sink_tokens=4)
+    with pytest.raises(ValueError, match=rf"budget 0.2 is below the smallest feasible causal coverage {smallest:.4f} "
+                                         r"\(every head at window 8 with 4 sink tokens at length 64\)"):
+        calibrate(model, batch, policy="duo", budget=0.2, duo_window=8, retrieval=["a"])
+    for bad in (0, 64, 256, 8.0, True):
+        with pytest.raises(ValueError, match=r"duo_window must be an integer in \[1, 64\)"):
+            calibrate(model, batch, policy="duo", budget=0.5, duo_window=bad, retrieval=["a"])
+    with pytest.raises(ValueError, match=r"duo_window must be an integer in \[1, 64\).*got 256"):
+        calibrate(model, batch, policy="duo", budget=0.5, retrieval=["a"])  # the default 256 is too long here
+    with pytest.raises(ValueError, match="duo_window needs policy 'duo', got 'budgeted'"):
+        calibrate(model, batch, policy="budgeted", budget=0.5, duo_window=8)
+    with pytest.raises(ValueError, match="policy 'duo' needs retrieval sequences"):
+        calibrate(model, batch, policy="duo", budget=0.5, duo_window=8)
+
+
+def test_duo_calibration_is_the_ranking_of_the_measured_answer_loss(tiny_model_dir):
+    from aah.hf.calibration.answer_loss import measure_answer_loss
+    from aah.hf.calibration.policies import duo_windows
+
+    seqs = _sequences(_bpe_tokenizer(tiny_model_dir[0]), 320, 2)
+    model = _llama(max_pos=512)
+    budget = 0.6
+    got = calibrate(model, _batches(1, seq_len=320), policy="duo", budget=budget, sink_tokens=2, duo_window=32,
+                    retrieval=seqs)
+    answer = measure_answer_loss(model, seqs, (32, 320), sink_tokens=2, items=[[0, 1], [2, 3]])
+    assert float(answer[..., 1].abs().max()) == 0.0 and float(answer[..., 0].sum()) > 0
+    assert torch.equal(got, duo_windows(answer[..., 0], 32, budget, 320, sink_tokens=2, num_kv_heads=2))
+    assert set(got.flatten().tolist()) == {32, 320} and torch.equal(got[:, 0::2], got[:, 1::2])
+    assert causal_coverage(got, 320, sink_tokens=2) <= budget
+
+
+@pytest.mark.slow
+def test_duo_calibrate_command_records_the_window_and_the_full_groups(tiny_model_dir, tmp_path, capsys):
+    model_dir, corpus = tiny_model_dir
+    _sequences(_bpe_tokenizer(model_dir), 320, 1)  # skips without the bible corpus
+    big = tmp_path / "model"
+    _llama(max_pos=512).save_pretrained(big)
+    _bpe_tokenizer(model_dir).save_pretrained(big)
+    out = tmp_path / "duo.safetensors"
+    assert main(["hf", "calibrate", str(big), "--corpus", str(corpus), "--seq-len", "320", "--policy", "duo",
+                 "--budget", "0.65", "--duo-window", "32", "--sink-tokens", "2", "--retrieval-sequences", "1",
+                 "--batches", "1", "--out", str(out)]) == 0
+    windows, meta = load_windows(out)
+    assert meta["policy"] == "duo" and meta["duo_window"] == 32 and meta["budget"] == 0.65
+    assert meta["retrieval_sequences"] == 1 and meta["granularity"] == "kv_group"
+    assert meta["scope"] is meta["measure"] is meta["candidates"] is meta["retrieval_weight"] is None
+    assert set(windows.flatten().tolist()) == {32, 320} and torch.equal(windows[:, 0::2], windows[:, 1::2])
+    full = [[layer, g] for layer in range(2) for g in range(2) if int(windows[layer, 2 * g]) == 320]
+    assert meta["duo_full_items"] == full and len(full) == 2  # 0.65 holds two of the four groups at full length
+    assert meta["causal_coverage"] == pytest.approx(causal_coverage(windows, 320, sink_tokens=2))
+    assert meta["causal_coverage"] <= 0.65
+    printed = capsys.readouterr().out
+    assert "duo windows for 2 layers x 4 heads" in printed
+    assert "2 KV groups at full length 320, the rest at window 32" in printed
+
+
+def test_duo_calibrate_command_errors_are_one_line(tiny_model_dir, capsys):
+    model_dir, corpus = tiny_model_dir
+    base = ["hf", "calibrate", str(model_dir), "--corpus", str(corpus), "--seq-len", "64", "--batches", "1",
+            "--out", "x"]
+    duo = [*base, "--policy", "duo"]
+    assert "--duo-window goes with --policy duo only, got --policy budgeted" in _error(
+        [*base, "--policy", "budgeted", "--budget", "0.5", "--duo-window", "8"], capsys)
+    for bad in ("0", "-3", "x", "8.5"):
+        assert f"--duo-window takes an int in [1, --seq-len); got '{bad}'" in _error(
+            [*duo, "--budget", "0.5", "--duo-window", bad], capsys)
+    err = _error([*duo, "--budget", "0.5", "--duo-window", "64"], capsys)
+    assert "--duo-window must be an int in [1, --seq-len) = [1, 64)" in err and "got 64" in err
+    assert "got 256" in _error([*duo, "--budget", "0.5"], capsys)  # the default window is too long at 64 tokens
+    assert "policy 'duo' needs a budget" in _error([*duo, "--duo-window", "8"], capsys)
+    smallest = causal_coverage([8], 64, sink_tokens=4)
+    err = _error([*duo, "--budget", "0.1", "--duo-window", "8"], capsys)
+    assert "below the smallest feasible causal coverage" in err and f"{smallest:.4f}" in err and "window 8" in err
+    assert "--candidates does not apply to --policy duo" in _error(
+        [*duo, "--budget", "0.5", "--duo-window", "8", "--candidates", "8,64"], capsys)
+    assert "--retrieval-sequences must be >= 1" in _error(
+        [*duo, "--budget", "0.5", "--duo-window", "8", "--retrieval-sequences", "0"], capsys)
+    assert "--retrieval-reserve needs --policy budgeted --measure kl_retrieval" in _error(
+        [*duo, "--budget", "0.5", "--duo-window", "8", "--retrieval-reserve", "0.1"], capsys)

@@ -25,11 +25,27 @@ Policies:
   knapsack leaves part of the budget to a repair pass (:mod:`aah.hf.calibration.repair`) that
   widens the KV groups that lower the answer loss most with the whole model windowed.
 
+* ``duo`` (a baseline of DuoAttention's shape, Xiao et al., 2024): every item is either a
+  *retrieval* item at the full length ``T`` or a *streaming* item at one short window
+  ``duo_window`` (default 256), both with the file's sinks. The items are ranked by the
+  project's retrieval measure: the rise of the answer loss on the synthetic ``retrieval``
+  sequences when that item alone is cut to ``duo_window`` (:func:`measure_answer_loss` with
+  the candidates ``(duo_window, T)``, the retrieval part of ``kl_retrieval``). The items
+  ranked first get ``T`` while the model's causal coverage stays within ``budget``; see
+  :func:`duo_windows`. DuoAttention itself learns a gate per KV head by optimisation (on
+  synthetic passkey retrieval, blending each head's full and streaming attention outputs so that
+  the model's hidden states stay those of full attention, with a penalty that drives the gates
+  to streaming) and keeps the heads with the largest gates at a chosen share of retrieval
+  heads; its streaming heads keep 64 sinks and 256 recent tokens (``sink_tokens=64``). Here no
+  gate is trained: the ranking of the retrieval measure stands in for the gates, each item is
+  judged alone with the rest at full attention, and the budget is a causal coverage rather
+  than a share of heads.
+
 With grouped-query attention the windows are decided per KV group by default
 (``granularity="kv_group"``): the query heads that share a KV head share its window, so the
 KV cache holds exactly what they read. ``aah_v3`` gives a group the largest window any of its
 heads chose; ``budgeted`` makes each group one knapsack item whose cost counts all of its
-query heads and whose lost mass is the sum over them.
+query heads and whose lost mass is the sum over them; ``duo`` ranks and widens whole groups.
 """
 
 from __future__ import annotations
@@ -71,12 +87,18 @@ __all__ = [
     "check_budgeted_budget",
     "check_choice",
     "check_policy_budget",
+    "check_duo_window",
+    "duo_windows",
+    "duo_full_items",
+    "DUO_WINDOW",
 ]
 
-POLICIES = ("aah_v3", "uniform", "budgeted")
+POLICIES = ("aah_v3", "uniform", "budgeted", "duo")
 GRANULARITIES = ("head", "kv_group")
 SCOPES = ("layer", "model")
 MEASURES = ("lost_mass", "kl", "kl_retrieval")
+#: The short window of policy ``duo``: DuoAttention's 256 recent tokens (its 64 sinks are ``sink_tokens=64``).
+DUO_WINDOW = 256
 
 
 def share_within_kv_groups(windows: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -99,12 +121,13 @@ def resolve_candidates(seq_len: int, candidates: Sequence[int] | None) -> tuple[
 
 
 def check_budgeted_budget(
-    budget: float | None, candidates: Sequence[int], seq_len: int, *, sink_tokens: int
+    budget: float | None, candidates: Sequence[int], seq_len: int, *, sink_tokens: int, policy: str = "budgeted"
 ) -> float:
     """``budget`` as a float, or ``ValueError``: missing, outside (0, 1], or below the smallest
-    feasible causal coverage (every head at the smallest candidate, sinks counted)."""
+    feasible causal coverage (every head at the smallest candidate, sinks counted). ``policy``
+    is the policy the message names."""
     if budget is None:
-        raise ValueError("policy 'budgeted' needs a budget (target causal coverage in (0, 1])")
+        raise ValueError(f"policy {policy!r} needs a budget (target causal coverage in (0, 1])")
     cheapest = min(window_pairs(candidates, seq_len, sink_tokens))
     # A layer (or model) of H heads fits iff floor(b H full) >= H cheapest iff floor(b full) >= cheapest.
     if budget_capacity(budget, 1, seq_len) < cheapest:
@@ -117,15 +140,29 @@ def check_budgeted_budget(
 
 
 def check_policy_budget(
-    policy: str, budget: float | None, seq_len: int, *, sink_tokens: int, candidates: Sequence[int] | None = None
+    policy: str, budget: float | None, seq_len: int, *, sink_tokens: int, candidates: Sequence[int] | None = None,
+    duo_window: int | None = None,
 ) -> None:
-    """``ValueError`` when ``policy`` needs a budget and ``budget`` is missing or infeasible."""
+    """``ValueError`` when ``policy`` needs a budget and ``budget`` is missing or infeasible (for
+    ``duo``, also when ``duo_window``, default :data:`DUO_WINDOW`, is not in ``[1, seq_len)``)."""
     if policy == "uniform":
         if budget is None:
             raise ValueError("policy 'uniform' needs a budget (target causal coverage in (0, 1])")
         uniform_window_for_budget(budget, seq_len, sink_tokens=sink_tokens)
     elif policy == "budgeted":
         check_budgeted_budget(budget, resolve_candidates(seq_len, candidates), seq_len, sink_tokens=sink_tokens)
+    elif policy == "duo":
+        window = check_duo_window(DUO_WINDOW if duo_window is None else duo_window, seq_len)
+        # The least feasible budget: every item at the short window.
+        check_budgeted_budget(budget, [window], seq_len, sink_tokens=sink_tokens, policy="duo")
+
+
+def check_duo_window(window: int, seq_len: int) -> int:
+    """``window`` when it is an integer in ``[1, seq_len)`` (shorter than full attention), else ``ValueError``."""
+    if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window < seq_len:
+        raise ValueError(f"duo_window must be an integer in [1, {seq_len}) (below the sequence length), "
+                         f"got {window!r}")
+    return window
 
 
 def check_choice(name: str, value: str, allowed: Sequence[str]) -> None:
@@ -194,6 +231,67 @@ def budgeted_windows(
     return out
 
 
+def duo_windows(
+    rise: torch.Tensor,
+    window: int,
+    budget: float,
+    seq_len: int,
+    *,
+    sink_tokens: int,
+    num_kv_heads: int | None = None,
+    granularity: str = "kv_group",
+    layer_windows: Sequence[int | None] | None = None,
+) -> torch.Tensor:
+    """(L, H) windows of policy ``duo``: ``seq_len`` for the items ranked first, ``window`` for the rest.
+
+    ``rise`` (L, H) is what the short window costs each query head: the answer-loss rise of
+    :func:`~aah.hf.calibration.answer_loss.measure_answer_loss` at ``window``, shared among an
+    item's heads, so an item's score is the sum over its heads. The items (KV groups of
+    ``H / num_kv_heads`` heads, or single heads) are ranked by decreasing score, ties broken by
+    the lower layer, then the lower index. Every item starts at ``window``; in ranking order each
+    item gets ``seq_len`` if the causal coverage of the whole model (sinks counted, each layer's
+    own sliding window applied as in :func:`budgeted_windows`) stays ``<= budget`` with it, and
+    keeps ``window`` otherwise. Where every item costs the same (no layer has its own sliding
+    window) the items at ``seq_len`` are thus the top ``m`` of the ranking, ``m`` the most the
+    budget allows (DuoAttention's "the top heads are retrieval heads"); where items cost
+    differently, one that does not fit is passed over and a cheaper one after it may still fit.
+    """
+    num_layers, num_heads = rise.shape
+    window = check_duo_window(window, seq_len)
+    check_budgeted_budget(budget, [window], seq_len, sink_tokens=sink_tokens, policy="duo")
+    if not bool(torch.isfinite(rise).all()):
+        raise ValueError("the retrieval measure has non-finite entries; cannot rank the items")
+    items = _items(num_heads, num_kv_heads or num_heads, granularity)
+    layer_windows = [None] * num_layers if layer_windows is None else list(layer_windows)
+    if len(layer_windows) != num_layers:
+        raise ValueError(f"layer_windows must name {num_layers} layers, got {len(layer_windows)}")
+    costs = [window_pairs((window, seq_len), seq_len, sink_tokens, lw) for lw in layer_windows]
+    capacity = budget_capacity(budget, num_layers * num_heads, seq_len)
+    used = sum(len(heads) * costs[layer][0] for layer in range(num_layers) for heads in items)
+    if used > capacity:  # not reached: a sliding layer only lowers the short window's cost
+        raise ValueError(f"budget {budget:g} is below the coverage of every item at window {window}")
+    scores = {(layer, i): float(rise[layer, heads].double().sum()) for layer in range(num_layers)
+              for i, heads in enumerate(items)}
+    out = torch.full((num_layers, num_heads), window, dtype=torch.int64)
+    for layer, i in sorted(scores, key=lambda key: (-scores[key], key)):
+        extra = len(items[i]) * (costs[layer][1] - costs[layer][0])
+        if used + extra <= capacity:
+            used += extra
+            out[layer, items[i]] = seq_len
+    return out
+
+
+def duo_full_items(
+    windows: torch.Tensor, seq_len: int, *, num_kv_heads: int | None = None, granularity: str = "kv_group"
+) -> list[list[int]]:
+    """``[layer, item]`` of every item whose window reaches ``seq_len`` (the retrieval items of a
+    ``duo`` file), by layer then index; an item is a KV group or, at ``granularity="head"``, a head."""
+    num_layers, num_heads = windows.shape
+    items = _items(num_heads, num_kv_heads or num_heads, granularity)
+    return [[layer, i] for layer in range(num_layers) for i, heads in enumerate(items)
+            if int(windows[layer, heads].min()) >= seq_len]
+
+
 @torch.no_grad()
 def measure_lost_mass(
     model: torch.nn.Module,
@@ -249,6 +347,7 @@ def calibrate(
     retrieval_weight: float = 1.0,
     retrieval_reserve: float = 0.0,
     repair_rounds: int = 3,
+    duo_window: int | None = None,
 ) -> torch.Tensor:
     """(num_layers, num_query_heads) windows for ``model`` chosen by ``policy``.
 
@@ -260,7 +359,9 @@ def calibrate(
     KL estimate times ``retrieval_weight``. With ``retrieval_reserve`` > 0 the knapsack spends
     ``budget - retrieval_reserve`` and the repair pass of :mod:`aah.hf.calibration.repair` spends
     the rest in ``repair_rounds`` rounds on the items that most lower the answer loss of the
-    whole windowed model. The model is left unpatched.
+    whole windowed model. Policy ``duo`` needs ``budget`` and ``retrieval`` too, and gives each
+    item ``T`` or ``duo_window`` (default :data:`DUO_WINDOW`, in ``[1, T)``) by
+    :func:`duo_windows`; ``batches`` give it only ``T``. The model is left unpatched.
     """
     check_choice("policy", policy, POLICIES)
     check_choice("granularity", granularity, GRANULARITIES)
@@ -272,9 +373,15 @@ def calibrate(
         raise ValueError("every calibration batch must have the same length")
     modules = attention_modules(model)
     heads = model.config.num_attention_heads
-    check_policy_budget(policy, budget, seq_len, sink_tokens=sink_tokens, candidates=candidates)
+    if duo_window is not None and policy != "duo":
+        raise ValueError(f"duo_window needs policy 'duo', got {policy!r}")
+    check_policy_budget(policy, budget, seq_len, sink_tokens=sink_tokens, candidates=candidates,
+                        duo_window=duo_window)
     if retrieval_reserve and policy != "budgeted":
         raise ValueError(f"retrieval_reserve needs policy 'budgeted' (measure 'kl_retrieval'), got {policy!r}")
+    if policy == "duo":
+        return _run_duo(model, budget, seq_len, DUO_WINDOW if duo_window is None else duo_window, sink_tokens,
+                        granularity, retrieval, progress)
     if policy == "uniform":
         window = uniform_window_for_budget(
             budget, seq_len, sink_tokens=sink_tokens, layer_windows=layer_sliding_windows(model)
@@ -327,6 +434,20 @@ def _run_budgeted(
             full_nll=sum(full_nll) / sum(len(seq.answer) for seq in retrieval), progress=progress,
         )
     return windows
+
+
+def _run_duo(model, budget, seq_len, window, sink_tokens, granularity, retrieval, progress) -> torch.Tensor:
+    """Rank the items by the answer loss at ``window`` (each alone, the rest at full attention), then choose."""
+    if not retrieval:
+        raise ValueError("policy 'duo' needs retrieval sequences (calibration_sequences)")
+    items = _items(model.config.num_attention_heads, kv_heads(model), granularity)
+    # The column of T is full attention for every sequence of at most T tokens: no rise.
+    answer = measure_answer_loss(model, retrieval, (window, seq_len), sink_tokens=sink_tokens, items=items,
+                                 progress=progress)
+    return duo_windows(
+        answer[..., 0] - answer[..., 1], window, budget, seq_len, sink_tokens=sink_tokens,
+        num_kv_heads=kv_heads(model), granularity=granularity, layer_windows=layer_sliding_windows(model),
+    )
 
 
 def _knapsack_budget(

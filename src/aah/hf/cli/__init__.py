@@ -16,7 +16,7 @@ from ...cli_flags import (
     add_sink_tokens,
     add_windows_file,
 )
-from .calibrate import calibrate_command
+from .calibrate import add_duo_flags, calibrate_command
 from .evaluate import evaluate_command
 from .models import convert_command
 from .retrieval import add_command as add_retrieval_command
@@ -54,8 +54,8 @@ def add_commands(subparsers) -> None:
     calibrate.add_argument("model_dir", metavar="MODEL_DIR")
     calibrate.add_argument("--corpus", default="shakespeare", help=CORPUS_HELP)
     add_seq_len(calibrate)
-    calibrate.add_argument("--policy", required=True, help="aah_v3, uniform or budgeted")
-    calibrate.add_argument("--budget", type=float, help="target causal coverage in (0, 1] (uniform, budgeted)")
+    calibrate.add_argument("--policy", required=True, help="aah_v3, uniform, budgeted or duo")
+    calibrate.add_argument("--budget", type=float, help="target causal coverage in (0, 1] (uniform, budgeted, duo)")
     calibrate.add_argument("--scope", default="layer",
                            help="budgeted: spend the budget per layer (default) or over the whole model")
     calibrate.add_argument("--measure", default="lost_mass",
@@ -64,7 +64,7 @@ def add_commands(subparsers) -> None:
                                 "use with --scope model), or that KL plus the answer loss on synthetic "
                                 "long-range retrieval sequences (kl_retrieval)")
     calibrate.add_argument("--retrieval-sequences", type=int, default=8,
-                           help="kl_retrieval: synthetic retrieval sequences of --seq-len tokens (default 8)")
+                           help="kl_retrieval, duo: synthetic retrieval sequences of --seq-len tokens (default 8)")
     calibrate.add_argument("--retrieval-weight", type=float, default=1.0,
                            help="kl_retrieval: weight of the answer loss against the KL (default 1)")
     calibrate.add_argument("--retrieval-reserve", type=float, default=0.0,
@@ -73,6 +73,7 @@ def add_commands(subparsers) -> None:
                                 "model (default 0: no repair)")
     calibrate.add_argument("--repair-rounds", type=int, default=3,
                            help="kl_retrieval with --retrieval-reserve: measurement rounds of the repair (default 3)")
+    add_duo_flags(calibrate)
     add_sink_tokens(calibrate)
     calibrate.add_argument("--batches", type=int, default=4, help="calibration blocks (default 4)")
     calibrate.add_argument("--granularity", default="kv_group", help="kv_group (default) or head")
