@@ -14,6 +14,7 @@ from aah.hf.bridge.attention import AAH_IMPLEMENTATION  # noqa: E402
 from aah.hf.bridge.kept_keys import (  # noqa: E402
     KeptKeys,
     choose_kept,
+    compiled_rolling_prefill,
     kept_coverage,
     rolling_coverage_pairs,
     rolling_kept_attention,
@@ -188,10 +189,10 @@ def test_rolling_kept_keys_equal_the_reference(case, llama, monkeypatch):
 
     heads, kv_heads, windows, sinks, prompt_len, tail, count, pool, prefill, block = ROLLING[case]
     model = llama(heads, kv_heads)
-    # An unpadded prompt takes the route that reads each window once (rolling_prefill).
+    # An unpadded prompt takes the compiled route that reads each window once.
     routes = []
-    monkeypatch.setattr(cache_module, "rolling_prefill",
-                        lambda *args: routes.append(args[0].shape) or rolling_prefill(*args))
+    monkeypatch.setattr(cache_module, "compiled_rolling_prefill",
+                        lambda *args: routes.append(args[0].shape) or compiled_rolling_prefill(*args))
     hf.patch(model, torch.tensor(windows), sink_tokens=sinks)
     prompt = _ids(prompt_len, seed=11)
     spec = KeptKeys(tail, count, pool, prefill_keys=prefill, prefill_block=block)
@@ -297,6 +298,46 @@ def test_left_padded_rows_keep_what_each_prompt_keeps_alone(spec, long_len, shor
         alone = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5, do_sample=False,
                                pad_token_id=0, past_key_values=hf.new_cache(model, kept_keys=spec))
         assert torch.equal(out[row, pad:], alone[0])
+
+
+@torch.no_grad()
+def test_a_padded_batch_takes_the_compiled_rolling_route_one_row_at_a_time(llama, monkeypatch):
+    """Left padding: each row's tokens go through the compiled pass alone (no masked recompute)."""
+    import aah.hf.bridge.cache as cache_module
+
+    model = llama(4, 2)
+    hf.patch(model, torch.tensor([[3, 3, 5, 5], [4, 4, 2, 2]]), sink_tokens=2)
+    batch = torch.cat([_ids(22, seed=5), torch.cat([torch.zeros(1, 5, dtype=torch.long), _ids(17, seed=6)], 1)])
+    mask = torch.ones_like(batch)
+    mask[1, :5] = 0
+    calls = []
+    monkeypatch.setattr(cache_module, "compiled_rolling_prefill",
+                        lambda *args: calls.append(tuple(args[0].shape)) or compiled_rolling_prefill(*args))
+    monkeypatch.setattr(cache_module, "rolling_kept_attention", lambda *args: pytest.fail("masked route taken"))
+    model(batch, attention_mask=mask, use_cache=True,
+          past_key_values=hf.new_cache(model, kept_keys=KeptKeys(3, 2, prefill_keys=2, prefill_block=5)))
+    assert calls == [(1, 4, 22, 8), (1, 4, 17, 8)] * 2  # two layers, two rows each (head dim 8)
+
+
+@pytest.mark.parametrize("windows, sinks, length, kept", [
+    ((3, 3, 20, 20, 2, 5), 1, 20, KeptKeys(3, 4, 3, prefill_keys=2, prefill_block=6)),
+    ((4, 4, 7, 7, 2, 2), 2, 29, KeptKeys(4, 3, 1, prefill_keys=3, prefill_block=7)),
+    ((5, 2, 3, 9, 4, 6), 0, 33, KeptKeys(2, 3, 5, prefill_keys=5, prefill_block=4)),
+], ids=["one_long_group", "uneven_blocks", "no_sinks_pooled"])
+def test_compiled_rolling_prefill_equals_the_recompute(windows, sinks, length, kept):
+    """One strip pass joined by log-sum-exp with each block's kept keys equals the windowed pass
+    followed by the rolling recompute, which the model-level test above holds to the reference."""
+    from aah.hf.bridge.attention import attend_without_cache
+    from aah.hf.bridge.spec import LayerWindows
+
+    torch.manual_seed(7)
+    q, k, v = torch.randn(2, 6, length, 8), torch.randn(2, 3, length, 8), torch.randn(2, 3, length, 8)
+    whole = attend_without_cache(q, k, v, None, 0.35, LayerWindows.build(windows, sinks, "auto", None))
+    expected = rolling_kept_attention(q, k, v, whole, windows, sinks, torch.ones(2, length, dtype=torch.bool),
+                                      kept, 0.35)
+    out = compiled_rolling_prefill(q, k, v, windows, sinks, kept, 0.35)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out, whole, atol=1e-3)  # the kept keys changed the later blocks
 
 
 @torch.no_grad()

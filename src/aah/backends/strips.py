@@ -51,6 +51,8 @@ rows included), plus ``n b S'`` sink entries, over the causal triangle
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -61,7 +63,7 @@ from .base import AttentionBackend, expand_kv
 from .halves import balanced_causal, causal_backward, causal_forward, cut_in_halves
 from .sinks import merge_sinks, sink_backward, sink_span
 
-__all__ = ["StripsBackend", "strip_attention", "strip_block", "strip_entries"]
+__all__ = ["StripsBackend", "strip_attention", "strip_attention_lse", "strip_block", "strip_entries"]
 
 _aten = torch.ops.aten
 _MIN_BLOCK = 32
@@ -126,33 +128,62 @@ def _strips(x: torch.Tensor, window: int, block: int, chunks: int) -> torch.Tens
     )
 
 
+@dataclass
+class _StripParts:
+    """What one strip forward computes: the (padded) inputs, the prefix's and the strips' outputs
+    and log-sum-exps, and its geometry."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out_pre: torch.Tensor
+    lse_pre: torch.Tensor
+    out_s: torch.Tensor
+    lse_s: torch.Tensor
+    length: int
+    chunks: int
+    halves: bool
+
+    def output(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Output (N, T, D) and log-sum-exp (N, T) of every query, padding dropped."""
+        n_heads, d = self.q.shape[0], self.q.shape[2]
+        out = torch.cat([self.out_pre, self.out_s.reshape(n_heads, -1, d)], 1)
+        lse = torch.cat([self.lse_pre, self.lse_s.reshape(n_heads, -1)], 1)
+        return out[:, :self.length], lse[:, :self.length]
+
+
+def _strip_forward(q, k, v, window: int, block: int, scale: float, sinks: int) -> _StripParts:
+    """The forward pass of the module docstring for (N, T, D) inputs, ``window < T``."""
+    n_heads, t, d = q.shape
+    chunks = -(-(t - window) // block)
+    padded = window + chunks * block
+    if padded > t:
+        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, padded - t)) for x in (q, k, v))
+    else:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    halves = cut_in_halves(n_heads, window)
+    out_pre, lse_pre = causal_forward(q[:, :window], k[:, :window], v[:, :window], scale, halves)
+    mask = _strip_mask(window, block, q.dtype, q.device)
+    q_s = q[:, window:].view(n_heads, chunks, block, d)
+    out_s, lse_s = _aten._scaled_dot_product_flash_attention_for_cpu(
+        q_s, _strips(k, window, block, chunks), _strips(v, window, block, chunks), 0.0, False,
+        attn_mask=mask, scale=scale,
+    )
+    if sinks:
+        out_s, lse_s = _merge_strip_sinks(q, k, v, window, sinks, scale, out_s, lse_s)
+    return _StripParts(q, k, v, out_pre, lse_pre, out_s, lse_s, t, chunks, halves)
+
+
 class _StripAttention(torch.autograd.Function):
     """Local causal attention with one window for ``q``, ``k``, ``v`` of shape (N, T, D);
     the strip queries also see the first ``sinks`` keys when ``sinks > 0``."""
 
     @staticmethod
     def forward(ctx, q, k, v, window: int, block: int, scale: float, sinks: int):
-        n_heads, t, d = q.shape
-        chunks = -(-(t - window) // block)
-        padded = window + chunks * block
-        if padded > t:
-            q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, padded - t)) for x in (q, k, v))
-        else:
-            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        halves = cut_in_halves(n_heads, window)
-        out_pre, lse_pre = causal_forward(q[:, :window], k[:, :window], v[:, :window], scale, halves)
-        mask = _strip_mask(window, block, q.dtype, q.device)
-        q_s = q[:, window:].view(n_heads, chunks, block, d)
-        out_s, lse_s = _aten._scaled_dot_product_flash_attention_for_cpu(
-            q_s, _strips(k, window, block, chunks), _strips(v, window, block, chunks), 0.0, False,
-            attn_mask=mask, scale=scale,
-        )
-        if sinks:
-            out_s, lse_s = _merge_strip_sinks(q, k, v, window, sinks, scale, out_s, lse_s)
-        out = torch.cat([out_pre, out_s.reshape(n_heads, chunks * block, d)], 1)
-        ctx.save_for_backward(q, k, v, out_pre, lse_pre, out_s, lse_s)
-        ctx.geometry = (t, window, block, chunks, scale, sinks, halves)
-        return out[:, :t] if padded > t else out
+        parts = _strip_forward(q, k, v, window, block, scale, sinks)
+        ctx.save_for_backward(parts.q, parts.k, parts.v, parts.out_pre, parts.lse_pre, parts.out_s, parts.lse_s)
+        ctx.geometry = (q.shape[1], window, block, parts.chunks, scale, sinks, parts.halves)
+        return parts.output()[0]
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -236,6 +267,38 @@ def strip_attention(
         sink_span(window, t, sink_tokens),
     )
     return out.view(b, h, t, d)
+
+
+def strip_attention_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, windows: Sequence[int], scale: float, *, sink_tokens: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The windowed attention of :meth:`StripsBackend.attend` (heads grouped by window, sinks
+    included) and its log-sum-exp, forward only: output (B, H, T, D) and float32 log-sum-exp
+    (B, H, T) of the scaled scores each query reads, so that a caller can join more keys to the
+    same softmax (kept keys, :mod:`aah.hf.bridge.kept_keys`). ``k``, ``v`` (B, H_kv, T, D)."""
+    b, h, t, d = q.shape
+    out = q.new_empty(b, h, t, v.shape[-1])
+    lse = torch.empty(b, h, t, dtype=torch.float32, device=q.device)
+    group = h // k.shape[1]
+    by_window: dict[int, list[int]] = {}
+    for head, w in enumerate(windows):
+        by_window.setdefault(min(int(w), t), []).append(head)
+    with torch.no_grad():
+        for window, heads in by_window.items():
+            kv = [head // group for head in heads]
+            q_g = q[:, heads].reshape(b * len(heads), t, d)
+            k_g = k[:, kv].reshape(b * len(heads), t, d)
+            v_g = v[:, kv].reshape(b * len(heads), t, v.shape[-1])
+            if window >= t:
+                out_g, lse_g = causal_forward(q_g.contiguous(), k_g.contiguous(), v_g.contiguous(), scale,
+                                              cut_in_halves(b * len(heads), t))
+            else:
+                block = strip_block(window, t)
+                out_g, lse_g = _strip_forward(q_g, k_g, v_g, window, block, scale,
+                                              sink_span(window, t, sink_tokens)).output()
+            out[:, heads] = out_g.view(b, len(heads), t, -1)
+            lse[:, heads] = lse_g.view(b, len(heads), t).float()
+    return out, lse
 
 
 class StripsBackend(AttentionBackend):

@@ -9,7 +9,8 @@ How a call is executed:
   included, so the chosen backend skips the work outside each window and its sinks;
 * a call through an :mod:`aah.hf` window cache hands its queries to the cache layer, which
   attends over its rings (:mod:`.cache`);
-* everything else (padded batches, packed sequences, custom 4-D masks, queries that follow
+* a plainly padded prompt (left or right padding) runs the same way one row at a time;
+* everything else (packed sequences, custom 4-D masks, queries that follow
   cached keys, a ``StaticCache``) runs fused SDPA with the exact boolean mask of
   :func:`.masks.allowed_keys`: correct, but it does not skip work.
 
@@ -19,17 +20,20 @@ the documents of packed rows (``position_ids`` restarting inside a row), are app
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from ...backends import attend, backend_takes_sinks
 from ...windows import check_sink_tokens
 from .._transformers import require
-from .masks import allowed_keys, packed_documents, visible_keys
+from .masks import allowed_keys, packed_documents, padded_spans, visible_keys
 from .spec import SPEC_ATTR, LayerWindows
 from .windowed_kv import pending_of
 
-__all__ = ["AAH_IMPLEMENTATION", "OUTPUT_RECORDER_ATTR", "RECORDER_ATTR", "aah_attention", "attend_without_cache", "register"]
+__all__ = ["AAH_IMPLEMENTATION", "OUTPUT_RECORDER_ATTR", "RECORDER_ATTR", "aah_attention", "attend_without_cache", "by_rows",
+           "register"]
 
 #: The name under which the attention and mask functions are registered.
 AAH_IMPLEMENTATION = "aah"
@@ -108,6 +112,24 @@ def aah_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
+def by_rows(spans: list[tuple[int, int]], query: torch.Tensor,
+            attend_row: Callable[[slice, slice], torch.Tensor]) -> torch.Tensor:
+    """(B, H, T, D): ``attend_row(rows, span)`` (b, H, n, D) for the tokens ``span`` of the batch
+    ``rows`` of a padded prompt (:func:`.masks.padded_spans`; rows that hold the same positions go
+    in one call), zeros at its padding."""
+    out = query.new_zeros(query.shape)
+    if len(set(spans)) == 1:  # every row holds the same positions: one call
+        first, stop = spans[0]
+        if stop > first:
+            rows = slice(0, query.shape[0])
+            out[:, :, first:stop] = attend_row(rows, slice(first, stop))
+        return out
+    for row, (first, stop) in enumerate(spans):
+        if stop > first:
+            out[row:row + 1, :, first:stop] = attend_row(slice(row, row + 1), slice(first, stop))
+    return out
+
+
 def attend_without_cache(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -122,8 +144,10 @@ def attend_without_cache(
     """(B, H, Tq, D) attention over plain keys (a prompt, a ``DynamicCache`` or ``StaticCache``).
 
     Unpadded, unpacked prompts run through :func:`aah.attend`, sinks included (work outside the
-    windows and sinks is skipped), unless the backend cannot take the sinks; everything else
-    runs fused SDPA with the exact boolean mask of :func:`allowed_keys`.
+    windows and sinks is skipped), unless the backend cannot take the sinks; a plainly padded
+    prompt (:func:`.masks.padded_spans`) the same way one row at a time, over its tokens (its
+    padding rows' outputs are zeros); everything else runs fused SDPA with the exact boolean mask
+    of :func:`allowed_keys`.
     """
     q_len, kv_len = query.shape[2], key.shape[2]
     if attention_mask is None and 1 < q_len < kv_len:
@@ -137,6 +161,10 @@ def attend_without_cache(
         if backend_takes_sinks(spec.backend, spec.windows, q_len, sinks):
             return attend(query, key, value, spec.windows, backend=spec.backend, scale=scaling, sink_tokens=sinks)
     visible = visible_keys(q_len, kv_len, attention_mask, query.device, documents)
+    spans = padded_spans(visible) if q_len == kv_len and documents is None and not dropout else None
+    if spans is not None:
+        return by_rows(spans, query, lambda rows, span: attend_without_cache(
+            query[rows, :, span], key[rows, :, span], value[rows, :, span], None, scaling, spec))
     allowed = allowed_keys(spec.windows, spec.sink_tokens, visible)
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=allowed, dropout_p=dropout, scale=scaling,

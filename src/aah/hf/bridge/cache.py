@@ -47,16 +47,17 @@ from ...decode.rings import RingGroup, RingStore, joined_route
 from ...decode.route import PREFILL, Route, choose_route
 from ...windows import visible as window_rule
 from .._transformers import require
-from .attention import attend_without_cache
+from .attention import attend_without_cache, by_rows
 from .kept_keys import (
     KeptKeys,
     KeptStore,
     choose_kept,
+    compiled_rolling_prefill,
     rolling_kept_attention,
     rolling_prefill,
     tail_attention,
 )
-from .masks import visible_keys
+from .masks import padded_spans, visible_keys
 from .spec import SPEC_ATTR, LayerWindows, kv_heads, layer_specs
 from .windowed_kv import Pending, WindowedKV
 
@@ -309,13 +310,8 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
             kept_keys = self.kept_keys
             rolling = (kept_keys is not None and kept_keys.prefill_keys > 0 and spec.layer_window is None
                        and query.shape[2] == pending.keys.shape[2])
-            if rolling and attention_mask is None:
-                out = rolling_prefill(
-                    query, pending.keys, pending.values, spec.windows, spec.sink_tokens, kept_keys, scale,
-                    lambda q, k, v, windows: attend_without_cache(q, k, v, None, scaling,
-                                                                  replace(spec, requested=windows, windows=windows)),
-                )
-            else:
+            out = self._rolling_prefill(query, pending, attention_mask, scaling, scale, spec) if rolling else None
+            if out is None:
                 out = attend_without_cache(query, pending.keys, pending.values, attention_mask, scaling, spec)
                 if rolling:
                     out = rolling_kept_attention(query, pending.keys, pending.values, out, spec.windows,
@@ -332,6 +328,32 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
             record=self._record if self.crop_limit or self.record_past else None,
             kept=None if kept is None else kept.readable(),
         )
+
+    def _rolling_prefill(self, query, pending: Pending, attention_mask, scaling, scale: float,
+                         spec: LayerWindows) -> torch.Tensor | None:
+        """A prompt read with rolling kept keys, each window read once: on CPU (and without
+        gradients) in one compiled pass (:func:`compiled_rolling_prefill`), a plainly padded
+        batch one row at a time over its tokens; elsewhere, an unpadded prompt through
+        :func:`rolling_prefill`. ``None`` for other masks (the caller's masked route)."""
+        kept_keys, keys, values = self.kept_keys, pending.keys, pending.values
+        compiled = query.device.type == "cpu" and not torch.is_grad_enabled()
+        if attention_mask is None:
+            spans = [(0, query.shape[2])] * query.shape[0]
+        elif compiled:
+            spans = padded_spans(visible_keys(query.shape[2], keys.shape[2], attention_mask, query.device))
+            if spans is None:
+                return None
+        else:
+            return None
+        if not compiled:
+            return rolling_prefill(
+                query, keys, values, spec.windows, spec.sink_tokens, kept_keys, scale,
+                lambda q, k, v, windows: attend_without_cache(q, k, v, None, scaling,
+                                                              replace(spec, requested=windows, windows=windows)),
+            )
+        return by_rows(spans, query, lambda rows, span: compiled_rolling_prefill(
+            query[rows, :, span], keys[rows, :, span], values[rows, :, span], spec.windows, spec.sink_tokens,
+            kept_keys, scale))
 
     def _read_tail_and_keep(self, query, keys, values, attention_mask, scale, spec: LayerWindows, out):
         """The prefill's last rows read every key; each KV head keeps the far keys they read most

@@ -51,11 +51,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ...backends.strips import strip_attention_lse
 from ...windows import causal_pairs, kv_group_reach, visible
 from .spec import executed_coverage
 
 __all__ = [
-    "KEPT_SETTINGS", "KeptGroup", "KeptKeys", "KeptStore", "choose_kept", "executed_read_coverage", "kept_coverage",
+    "KEPT_SETTINGS", "KeptGroup", "KeptKeys", "KeptStore", "choose_kept", "compiled_rolling_prefill", "executed_read_coverage", "kept_coverage",
     "kept_keys_from", "rolling_coverage_pairs", "rolling_kept_attention", "rolling_prefill", "tail_attention", "tail_coverage_pairs",
 ]
 
@@ -315,6 +316,67 @@ def rolling_prefill(
                                            value[:, short, :first], tuple(windows[h] for h in short_heads))
     real = torch.ones(batch, length, dtype=torch.bool, device=query.device)
     return rolling_kept_attention(query, key, value, out, windows, sink_tokens, real, kept, scale)
+
+
+def compiled_rolling_prefill(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    windows: Sequence[int],
+    sink_tokens: int,
+    kept: KeptKeys,
+    scale: float,
+) -> torch.Tensor:
+    """:func:`rolling_prefill` in one compiled windowed pass, forward only (CPU).
+
+    Every row reads its window and sinks once, through the strip kernel, which also returns each
+    row's log-sum-exp (:func:`aah.backends.strips.strip_attention_lse`). Before each block after
+    the first, the previous block's last ``tail_tokens`` rows score the earlier keys (their exact
+    causal attention, summed over the rows and over the query heads of a KV head, sinks zeroed,
+    max-pooled: :func:`choose_kept`), and the block's rows read their KV head's ``prefill_keys``
+    best keys as one more small part of the same softmax, joined by the log-sum-exps. A kept key
+    lies before every window of its group and after the sinks, so no key is read twice and the
+    result is the semantics of the module docstring. ``query`` (B, H, T, D) of an unpadded prompt,
+    ``key``/``value`` (B, H_kv, T, D); returns (B, H, T, D).
+    """
+    out, lse = strip_attention_lse(query, key, value, windows, scale, sink_tokens=sink_tokens)
+    batch, heads, length, dim = query.shape
+    kv_heads = key.shape[1]
+    reach, short, short_heads = _rolling_groups(windows, kv_heads, sink_tokens, length)
+    if kept.prefill_keys == 0 or not short:
+        return out
+    group, groups = heads // kv_heads, len(short)
+    sinks = min(sink_tokens, length)
+    pos = torch.arange(length, device=query.device)
+    limit = torch.tensor([reach[g] for g in short], device=query.device)[:, None]  # (S, 1)
+    q_short = query[:, short_heads].float().view(batch, groups, group, length, dim)
+    k_short, v_short = key[:, short].float(), value[:, short].float()  # (B, S, T, D)
+    for start in range(kept.prefill_block, length, kept.prefill_block):
+        stop = min(length, start + kept.prefill_block)
+        tail = min(kept.tail_tokens, start)
+        # The previous block's last rows score every earlier key (grouped: no copy of the keys).
+        rows = q_short[:, :, :, start - tail:start].reshape(batch, groups, group * tail, dim)
+        scores = torch.matmul(rows, k_short[:, :, :start].transpose(-1, -2)) * scale
+        row_pos = pos[start - tail:start].repeat(group)[:, None]
+        probs = torch.softmax(scores.masked_fill(pos[None, :start] > row_pos, float("-inf")), dim=-1)
+        probs[..., :sinks] = 0.0  # the sinks lend no score to their neighbours
+        eligible = (pos[None, :start] >= sinks) & (pos[None, :start] <= start - limit)  # (S, start)
+        positions, valid = choose_kept(probs.view(batch, groups * group, tail, start), groups,
+                                       eligible[None].expand(batch, -1, -1), kept.prefill_keys, kept.pool_width)
+        # The block's rows read those keys: one more part of their softmax, joined by log-sum-exp.
+        index = positions.clamp_min(0)[..., None].expand(-1, -1, -1, dim)
+        block_rows = q_short[:, :, :, start:stop].reshape(batch, groups, group * (stop - start), dim)
+        part = torch.matmul(block_rows, k_short.gather(2, index).transpose(-1, -2)) * scale
+        part = part.masked_fill(~valid[:, :, None, :], float("-inf"))
+        part_lse = torch.logsumexp(part, dim=-1)  # -inf where a KV head has no kept key yet
+        part_out = torch.matmul(torch.exp(part - part_lse[..., None]).nan_to_num(0.0), v_short.gather(2, index))
+        window_out = out[:, short_heads, start:stop].float().view(batch, groups, -1, dim)
+        window_lse = lse[:, short_heads, start:stop].view(batch, groups, -1)
+        joined = torch.logaddexp(window_lse, part_lse)
+        merged = (window_out * torch.exp(window_lse - joined)[..., None]
+                  + part_out * torch.exp(part_lse - joined)[..., None])
+        out[:, short_heads, start:stop] = merged.view(batch, len(short_heads), stop - start, dim).to(out.dtype)
+    return out
 
 
 def _rolling_row(query, key, value, present, out, windows, reach, sink_tokens, kept: KeptKeys, scale):

@@ -3,7 +3,8 @@
 transformers hands the attention function a causal-and-padding mask (or a custom 4-D mask);
 :func:`visible_keys` reads which keys each query may see at all (and, for packed rows, only
 its own document, :func:`packed_documents`), and :func:`allowed_keys` applies each head's
-window and the sinks to it with :func:`aah.windows.visible_among`.
+window and the sinks to it with :func:`aah.windows.visible_among`. :func:`padded_spans` finds
+the rows of a plainly padded prompt, which the windowed kernels then read one row at a time.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from ...windows import visible_among
 
-__all__ = ["allowed_keys", "packed_documents", "visible_keys"]
+__all__ = ["allowed_keys", "packed_documents", "padded_spans", "visible_keys"]
 
 
 def packed_documents(
@@ -99,3 +100,34 @@ def allowed_keys(windows: Sequence[int], sinks: int, visible: torch.Tensor) -> t
     the window rule over them is :func:`aah.windows.visible_among`.
     """
     return visible_among(visible, windows, sinks)
+
+
+def padded_spans(visible: torch.Tensor) -> list[tuple[int, int]] | None:
+    """Where each row of a padded prompt holds its tokens, if the mask is plain padding.
+
+    ``visible`` (B, 1, T, T) from :func:`visible_keys` for a prompt read without a cache. The
+    positions that see themselves hold tokens; when those of every row form one run
+    ``[first, stop)`` (left or right padding) and each of them sees exactly the tokens of that run
+    up to itself, a row is an unpadded prompt of ``stop - first`` tokens shifted by ``first`` (its
+    windows and sinks counted from ``first``, as :func:`aah.windows.visible_among` counts them).
+    Returns one ``(first, stop)`` per row (``(0, 0)`` for a row without tokens), or ``None`` for any
+    other mask (packed documents, custom masks).
+    """
+    if visible.dim() != 4 or visible.shape[1] != 1 or visible.shape[-1] != visible.shape[-2]:
+        return None
+    real = visible[:, 0].diagonal(dim1=-2, dim2=-1)  # (B, T)
+    spans = []
+    for row in range(visible.shape[0]):
+        held = real[row].nonzero().flatten()
+        if held.numel() == 0:
+            spans.append((0, 0))
+            continue
+        first, stop = int(held[0]), int(held[-1]) + 1
+        count = stop - first
+        rows = visible[row, 0, first:stop]
+        causal = torch.ones(count, count, dtype=torch.bool, device=visible.device).tril()
+        if (held.numel() != count or int(rows.sum()) != count * (count + 1) // 2
+                or not bool(torch.equal(rows[:, first:stop], causal))):
+            return None
+        spans.append((first, stop))
+    return spans
