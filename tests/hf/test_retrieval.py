@@ -200,7 +200,8 @@ def test_retrieval_command_writes_json_and_heatmap(model_dir, tmp_path, capsys):
             "--json", str(out), "--heatmap", str(png)]
     assert main(argv) == 0
     report = json.loads(out.read_text())
-    assert set(report) == {"config", "settings", "results", "samples"}
+    assert set(report) == {"config", "filler", "settings", "results", "samples"}
+    assert report["filler"] == report["config"]["filler"] == "repeat"
     assert report["config"]["tasks"] == ["passkey", "niah_single"] and report["config"]["lengths"] == [350, 400]
     assert set(report["results"]) == {"full", "aah", "uniform"}
     for per_task in report["results"].values():
@@ -223,7 +224,8 @@ def test_retrieval_command_writes_json_and_heatmap(model_dir, tmp_path, capsys):
              for s in report["samples"] if s["task"] == "passkey"]
     assert report["results"]["full"]["passkey"]["correct"] == sum(flags)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "| aah | passkey |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| aah | passkey |" in out and out.startswith("Retrieval accuracy, repeat filler\n")
 
 
 def test_retrieval_answers_journal_resumes_a_stopped_run(model_dir, tmp_path, monkeypatch, capsys):
@@ -261,6 +263,40 @@ def test_retrieval_answers_journal_resumes_a_stopped_run(model_dir, tmp_path, mo
     assert main([*base, "--windows-file", str(model_dir / "w.safetensors"), "--sink-tokens", "4"]) == 0
     with pytest.raises(AssertionError, match="decoded again"):
         main([*base, "--windows-file", str(model_dir / "w.safetensors"), "--sink-tokens", "64"])
+    capsys.readouterr()
+
+
+def test_retrieval_filler_is_reported_and_its_answers_are_kept_apart(model_dir, tmp_path, monkeypatch, capsys):
+    """--filler: the report names it (top level, config, each sample, the table's header) and the
+    journal keeps the answers of each filler apart."""
+    from aah.hf.evaluation import retrieval as retrieval_eval
+
+    out, journal = tmp_path / "r.json", tmp_path / "answers.jsonl"
+    argv = ["hf", "retrieval", str(model_dir / "model"), "--windows-file", str(model_dir / "w.safetensors"),
+            "--tasks", "passkey,vt", "--lengths", "400", "--depths", "0.5", "--trials", "1", "--settings", "full",
+            "--answers", str(journal), "--json", str(out)]
+    assert main([*argv, "--filler", "code"]) == 0
+    report = json.loads(out.read_text())
+    assert report["filler"] == report["config"]["filler"] == "code"
+    assert [s["filler"] for s in report["samples"]] == ["code", "code"]
+    assert capsys.readouterr().out.startswith("Retrieval accuracy, code filler\n")
+    keys = [json.loads(line)["key"] for line in journal.read_text().splitlines()[1:]]
+    assert len(keys) == 2 and all(k.endswith("|code") for k in keys)
+    assert main([*argv, "--filler", "table"]) == 0  # another haystack: decoded, not taken from the journal
+    assert main(argv) == 0  # the default, repeat: keys as before the filler could be chosen
+    keys = [json.loads(line)["key"] for line in journal.read_text().splitlines()[1:]]
+    tails = [k.rsplit("|", 1)[1] for k in keys]
+    assert sorted(t if t in ("code", "table") else "digest" for t in tails) == ["code"] * 2 + ["digest"] * 2 + ["table"] * 2
+
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("an answer in the journal was decoded again")
+
+    monkeypatch.setattr(retrieval_eval, "generate_answers", no_decoding)
+    for filler in ("code", "table", "repeat"):
+        assert main([*argv, "--filler", filler]) == 0
+        assert json.loads(out.read_text())["filler"] == filler
+    with pytest.raises(AssertionError, match="decoded again"):
+        main([*argv, "--filler", "list"])
     capsys.readouterr()
 
 
@@ -409,6 +445,10 @@ def test_retrieval_command_refuses_bad_input(model_dir, capsys):
     assert "--depths must be" in _error([*base, "--lengths", "400", "--depths", "0.5,1.5"], capsys)
     assert "--lengths must be" in _error([*base, "--lengths", "400,x"], capsys)
     assert "--settings must be" in _error([*base, "--lengths", "400", "--settings", "full,best"], capsys)
+    assert "--filler must be one of repeat, prose, dialogue, code, table, list; got 'xml'" in _error(
+        [*base, "--lengths", "400", "--filler", "xml"], capsys)
+    assert "--filler: niah_text has its own filler, dialogue; for the list filler ask niah_single" in _error(
+        [*base, "--lengths", "400", "--tasks", "passkey,niah_text", "--filler", "list"], capsys)
     assert "--trials must be >= 1" in _error([*base, "--lengths", "400", "--trials", "0"], capsys)
     assert "--sink-tokens takes an int >= 0" in _error([*base, "--lengths", "400", "--sink-tokens", "-1"], capsys)
     assert "go together" in _error([*base, "--lengths", "400", "--kept-keys", "16"], capsys)

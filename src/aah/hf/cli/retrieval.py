@@ -25,7 +25,8 @@ def add_command(subparsers) -> None:
         help="long-range retrieval accuracy (passkey, needles, variable tracking): full vs AAH vs uniform",
         description=(
             "Synthetic retrieval tasks generated offline from --seed at each --lengths (tokens of the "
-            "model's tokenizer, prompt plus answer) and needle depth; greedy answers, exact match. Reports "
+            "model's tokenizer, prompt plus answer) and needle depth, in the haystack of --filler; greedy "
+            "answers, exact match. Reports "
             "accuracy with Wilson 95% intervals overall, by length and by depth, for full attention, the "
             "windows in --windows-file and one uniform window at their causal coverage at each length."
         ),
@@ -41,6 +42,10 @@ def add_command(subparsers) -> None:
     p.add_argument("--settings", default=",".join(SETTINGS), metavar="S1,S2,...",
                    help="which of full, aah, uniform to run (default all three)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--filler", default="repeat", metavar="NAME",
+                   help="the haystack's genre: repeat (repetitive sentences, the default), prose (King James "
+                        "Bible), dialogue (Shakespeare), code (Python standard library source), table "
+                        "(generated Markdown rows), list (generated to-do lists)")
     add_json(p)
     add_output(p, "--heatmap", suffixes=(".png", ".pdf", ".svg"), metavar="FILE", help="depth x length accuracy heatmaps (PNG)")
     add_setting_flags(p)
@@ -69,9 +74,15 @@ def _names(flag: str, text: str, allowed: tuple[str, ...]) -> list[str]:
 
 
 def _retrieval(args: argparse.Namespace) -> int:
-    from ..evaluation.tasks import TASKS
+    from ..evaluation.tasks import FILLERS, TASKS, check_filler
 
     tasks = _names("--tasks", args.tasks, TASKS)
+    if args.filler not in FILLERS:
+        raise CLIError(f"--filler must be one of {', '.join(FILLERS)}; got {args.filler!r}")
+    try:
+        check_filler(args.filler, tasks)
+    except ValueError as exc:
+        raise CLIError(f"--filler: {exc}") from None
     wanted = _names("--settings", args.settings, SETTINGS)
     depths = _numbers("--depths", args.depths, float, lambda d: 0.0 <= d <= 1.0, "depths in [0, 1]")
     if args.trials < 1:
@@ -104,7 +115,9 @@ def _retrieval(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     try:
-        samples = build_samples(tokenizer, tasks, lengths, depths, args.trials, seed=args.seed)
+        samples = build_samples(tokenizer, tasks, lengths, depths, args.trials, seed=args.seed, filler=args.filler)
+    except FileNotFoundError as exc:  # a corpus, or the standard library's source, is not installed
+        raise CLIError(f"--filler {args.filler}: {exc}") from None
     except ValueError as exc:
         raise CLIError(f"--lengths: {exc}") from None
     model = load_model()
@@ -139,28 +152,30 @@ def _retrieval(args: argparse.Namespace) -> int:
         "config": {
             "model": meta["model"], "windows_file": args.windows_file, "policy": meta["policy"],
             "sink_tokens": aah.sink_tokens, "tasks": tasks, "lengths": lengths, "depths": depths,
-            "trials": args.trials, "seed": args.seed, "settings": wanted,
+            "trials": args.trials, "seed": args.seed, "filler": args.filler, "settings": wanted,
             **kept_keys_config(kept),
         },
+        "filler": args.filler,
         "settings": facts,
         "results": results,
         "samples": [
-            {"task": s.task, "length": s.length, "depth": s.depth, "trial": s.trial, "prompt_tokens": s.prompt_len,
-             "needle_depth": round(s.needle_depth, 4), "answers": list(s.answers),
+            {"task": s.task, "length": s.length, "depth": s.depth, "trial": s.trial, "filler": s.filler,
+             "prompt_tokens": s.prompt_len, "needle_depth": round(s.needle_depth, 4), "answers": list(s.answers),
              "outputs": {name: outputs[name][i] for name in wanted}}
             for i, s in enumerate(ordered)
         ],
     }
     if args.json != "-":
-        print(_table(results, facts, lengths))
+        print(_table(results, facts, lengths, args.filler))
     write_json(args.json, report)
     if args.heatmap:
-        draw_heatmaps(results, args.heatmap)
+        draw_heatmaps(results, args.heatmap, filler=args.filler)
     return 0
 
 
-def _table(results: dict, facts: dict, lengths: list[int]) -> str:
-    lines = ["| setting | task | accuracy (95% CI) | " + " | ".join(f"{n} tokens" for n in lengths)
+def _table(results: dict, facts: dict, lengths: list[int], filler: str) -> str:
+    lines = [f"Retrieval accuracy, {filler} filler", "",
+             "| setting | task | accuracy (95% CI) | " + " | ".join(f"{n} tokens" for n in lengths)
              + " | causal coverage | executed coverage |", "|---|---|---|" + "---|" * len(lengths) + "---|---|"]
     for name, per_task in results.items():
         coverage = " | ".join(", ".join(f"{facts[name][str(n)][key]:.3f}" for n in lengths)

@@ -11,8 +11,8 @@ length, by depth and per (length, depth) cell, which the heatmap draws.
 
 A long run can keep a journal (:class:`AnswerJournal`, ``aah hf retrieval --answers FILE``):
 every answer is appended to it as soon as it is decoded, and a run given the same journal
-reuses the answers already there (same setting, prompt tokens, model and, but for ``full``,
-windows file), so a run that is stopped, crashes or is split by settings loses nothing. A
+reuses the answers already there (same setting, prompt tokens, filler, model and, but for
+``full``, windows file), so a run that is stopped, crashes or is split by settings loses nothing. A
 journal belongs to one model's content (:func:`model_key`, its first line): new weights saved
 into the same folder make it refused, never reused.
 """
@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from ...errors import CLIError
 from ...train.checkpoint import sha256_file
 from .compare import Setting, last_logits, setting_coverage
-from .tasks import Sample, is_correct
+from .tasks import Sample, is_correct, task_filler
 
 __all__ = ["AnswerJournal", "JournalError", "model_key", "wilson_interval", "generate_answers", "run_settings", "score", "draw_heatmaps",
            "depth_key"]
@@ -100,10 +100,13 @@ class AnswerJournal:
     it besides the model: the ``model_tag`` alone for the ``full`` setting (its answers are
     reused by runs with other windows files), the ``model_tag`` and the ``windows_tag`` for the
     others; then the setting's name and a digest of the sample's prompt tokens and answer
-    length. Each answer line carries a ``check`` digest of its key and text: a line cut short by
-    a crash, or damaged since, fails it and is ignored (that answer is decoded again). :meth:`bind` (which :func:`run_settings`
-    calls with the model's folder) refuses a journal of another model's content, and one
-    written before journals named their model.
+    length; then, for a sample whose filler is not its task's default (``repeat``; ``niah_text``:
+    ``dialogue``), the filler's name, so answers of different fillers never mix (and the keys
+    of the default filler are those journals had before the filler could be chosen). Each
+    answer line carries a ``check`` digest of its key and text: a line cut short by a crash,
+    or damaged since, fails it and is ignored (that answer is decoded again). :meth:`bind`
+    (which :func:`run_settings` calls with the model's folder) refuses a journal of another
+    model's content, and one written before journals named their model.
     """
 
     def __init__(self, path: str | Path, model_tag: str, windows_tag: str) -> None:
@@ -150,7 +153,8 @@ class AnswerJournal:
     def key(self, setting: str, sample: Sample) -> str:
         prompt = hashlib.sha256(json.dumps([sample.input_ids, sample.max_new_tokens]).encode()).hexdigest()[:20]
         tag = self.model_tag if setting == "full" else f"{self.model_tag}{self.windows_tag}"
-        return f"{tag}|{setting}|{prompt}"
+        key = f"{tag}|{setting}|{prompt}"
+        return key if sample.filler == task_filler(sample.task) else f"{key}|{sample.filler}"
 
     def get(self, setting: str, sample: Sample) -> str | None:
         return self.done.get(self.key(setting, sample))
@@ -252,8 +256,9 @@ def setting_facts(model, setting: Setting, seq_len: int) -> dict:
     return {**coverage, "window": int(uniform[0]) if uniform.numel() == 1 else None}
 
 
-def draw_heatmaps(results: dict[str, dict[str, dict]], path: str | Path) -> Path:
-    """One PNG: a depth (rows) x length (columns) accuracy heatmap per setting (rows) and task (columns)."""
+def draw_heatmaps(results: dict[str, dict[str, dict]], path: str | Path, *, filler: str | None = None) -> Path:
+    """One PNG: a depth (rows) x length (columns) accuracy heatmap per setting (rows) and task
+    (columns), titled with the haystack's ``filler`` when given."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -282,6 +287,8 @@ def draw_heatmaps(results: dict[str, dict[str, dict]], path: str | Path) -> Path
             if c == 0:
                 ax.set_ylabel("needle depth", fontsize=8)
     fig.colorbar(image, ax=axes, shrink=0.6, label="accuracy")
+    if filler is not None:
+        fig.suptitle(f"retrieval accuracy, {filler} filler", fontsize=10)
     path = Path(path)
     fig.savefig(path, dpi=110)
     return path
