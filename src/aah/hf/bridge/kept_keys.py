@@ -342,40 +342,50 @@ def compiled_rolling_prefill(
     out, lse = strip_attention_lse(query, key, value, windows, scale, sink_tokens=sink_tokens)
     batch, heads, length, dim = query.shape
     kv_heads = key.shape[1]
-    reach, short, short_heads = _rolling_groups(windows, kv_heads, sink_tokens, length)
-    if kept.prefill_keys == 0 or not short:
+    reach, short, _ = _rolling_groups(windows, kv_heads, sink_tokens, length)
+    first_block = kept.prefill_block
+    if kept.prefill_keys == 0 or not short or first_block >= length:
         return out
     group, groups = heads // kv_heads, len(short)
     sinks = min(sink_tokens, length)
     pos = torch.arange(length, device=query.device)
     limit = torch.tensor([reach[g] for g in short], device=query.device)[:, None]  # (S, 1)
-    q_short = query[:, short_heads].float().view(batch, groups, group, length, dim)
-    k_short, v_short = key[:, short].float(), value[:, short].float()  # (B, S, T, D)
-    for start in range(kept.prefill_block, length, kept.prefill_block):
-        stop = min(length, start + kept.prefill_block)
+    # The short groups' queries (scaled once), keys and values: (B, S, G, T, D) and (B, S, T, D).
+    q_short = query.view(batch, kv_heads, group, length, dim)[:, short].float() * scale
+    k_short, v_short = key[:, short].float(), value[:, short].float()
+    kept_out = q_short.new_zeros(batch, groups, group, length - first_block, dim)
+    kept_lse = q_short.new_full((batch, groups, group, length - first_block), float("-inf"))
+    for start in range(first_block, length, first_block):
+        stop = min(length, start + first_block)
         tail = min(kept.tail_tokens, start)
-        # The previous block's last rows score every earlier key (grouped: no copy of the keys).
+        # The previous block's last rows score every earlier key (grouped: no copy of the keys);
+        # only their last ``tail`` columns can lie in a row's future.
         rows = q_short[:, :, :, start - tail:start].reshape(batch, groups, group * tail, dim)
-        scores = torch.matmul(rows, k_short[:, :, :start].transpose(-1, -2)) * scale
-        row_pos = pos[start - tail:start].repeat(group)[:, None]
-        probs = torch.softmax(scores.masked_fill(pos[None, :start] > row_pos, float("-inf")), dim=-1)
+        scores = torch.matmul(rows, k_short[:, :, :start].transpose(-1, -2))
+        future = torch.ones(tail, tail, dtype=torch.bool, device=query.device).triu(1)
+        scores.view(batch, groups, group, tail, start)[..., start - tail:].masked_fill_(future, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
         probs[..., :sinks] = 0.0  # the sinks lend no score to their neighbours
         eligible = (pos[None, :start] >= sinks) & (pos[None, :start] <= start - limit)  # (S, start)
         positions, valid = choose_kept(probs.view(batch, groups * group, tail, start), groups,
                                        eligible[None].expand(batch, -1, -1), kept.prefill_keys, kept.pool_width)
-        # The block's rows read those keys: one more part of their softmax, joined by log-sum-exp.
+        # The block's rows read those keys: one more part of their softmax.
         index = positions.clamp_min(0)[..., None].expand(-1, -1, -1, dim)
         block_rows = q_short[:, :, :, start:stop].reshape(batch, groups, group * (stop - start), dim)
-        part = torch.matmul(block_rows, k_short.gather(2, index).transpose(-1, -2)) * scale
+        part = torch.matmul(block_rows, k_short.gather(2, index).transpose(-1, -2))
         part = part.masked_fill(~valid[:, :, None, :], float("-inf"))
         part_lse = torch.logsumexp(part, dim=-1)  # -inf where a KV head has no kept key yet
         part_out = torch.matmul(torch.exp(part - part_lse[..., None]).nan_to_num(0.0), v_short.gather(2, index))
-        window_out = out[:, short_heads, start:stop].float().view(batch, groups, -1, dim)
-        window_lse = lse[:, short_heads, start:stop].view(batch, groups, -1)
-        joined = torch.logaddexp(window_lse, part_lse)
-        merged = (window_out * torch.exp(window_lse - joined)[..., None]
-                  + part_out * torch.exp(part_lse - joined)[..., None])
-        out[:, short_heads, start:stop] = merged.view(batch, len(short_heads), stop - start, dim).to(out.dtype)
+        span = slice(start - first_block, stop - first_block)
+        kept_out[:, :, :, span] = part_out.view(batch, groups, group, stop - start, dim)
+        kept_lse[:, :, :, span] = part_lse.view(batch, groups, group, stop - start)
+    # Every row from the second block on: its window's part and its kept keys' part, joined.
+    out_groups = out.view(batch, kv_heads, group, length, dim)
+    window_out = out_groups[:, short, :, first_block:].float()
+    window_lse = lse.view(batch, kv_heads, group, length)[:, short, :, first_block:]
+    joined = torch.logaddexp(window_lse, kept_lse)
+    merged = window_out * torch.exp(window_lse - joined)[..., None] + kept_out * torch.exp(kept_lse - joined)[..., None]
+    out_groups[:, short, :, first_block:] = merged.to(out.dtype)
     return out
 
 
