@@ -468,3 +468,48 @@ def test_retrieval_command_refuses_bad_input(model_dir, capsys):
     assert "cannot hold" in _error([*base, "--lengths", "60"], capsys)
     assert "--windows-file: no file nope.safetensors" in _error(
         [*base[:-1], "nope.safetensors", "--lengths", "400"], capsys)
+
+
+def test_retrieval_baselines_windows_alone_and_duo(model_dir, tmp_path, monkeypatch, capsys):
+    """``windows`` reads the windows file without kept keys and ``duo`` another file with its own
+    sinks: each answers as that setting run alone, and the journal keeps their answers apart from
+    aah's (they do not change with the kept-key flags)."""
+    from aah.hf.bridge.kept_keys import KeptKeys
+    from aah.hf.evaluation import retrieval as retrieval_eval
+    from aah.hf.evaluation.compare import Setting
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir / "model")
+    duo_windows = torch.tensor([[512, 512, 512, 512], [16, 16, 16, 16]])
+    meta = {"model": model_signature(model), "seq_len": 512, "policy": "duo", "budget": 0.5,
+            "sink_tokens": 8, "acr": 0.5, "causal_coverage": 0.5}
+    save_windows(tmp_path / "duo.safetensors", duo_windows, meta)
+    out, journal = tmp_path / "r.json", tmp_path / "answers.jsonl"
+    base = ["hf", "retrieval", str(model_dir / "model"), "--windows-file", str(model_dir / "w.safetensors"),
+            "--lengths", "300", "--depths", "0.5", "--trials", "1", "--answers", str(journal)]
+    argv = [*base, "--settings", "aah,windows,duo", "--duo-file", str(tmp_path / "duo.safetensors"),
+            "--tail-tokens", "8", "--kept-keys", "16", "--json", str(out)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert set(report["results"]) == {"aah", "windows", "duo"}
+    assert report["config"]["duo_file"] == str(tmp_path / "duo.safetensors")
+    facts = report["settings"]
+    assert facts["windows"]["300"]["executed_coverage"] == pytest.approx(facts["windows"]["300"]["causal_coverage"])
+    assert facts["aah"]["300"]["executed_coverage"] > facts["windows"]["300"]["executed_coverage"]
+    tok = transformers.AutoTokenizer.from_pretrained(model_dir / "model")
+    sample = build_samples(tok, ["passkey"], [300], [0.5], 1)[0]
+    windows = load_windows(model_dir / "w.safetensors")[0]
+    for name, setting in (("windows", Setting("windows", windows, 4)), ("duo", Setting("duo", duo_windows, 8)),
+                          ("aah", Setting("aah", windows, 4, KeptKeys(8, 16)))):
+        setting.apply(model)
+        assert report["samples"][0]["outputs"][name] == retrieval_eval.generate_answers(model, setting, sample, tok)
+
+    def no_decoding(*args, **kwargs):
+        raise AssertionError("decoded again")
+
+    monkeypatch.setattr(retrieval_eval, "generate_answers", no_decoding)
+    # Other kept keys change aah's answers, not the baselines': those come from the journal.
+    assert main([*base, "--settings", "windows,duo", "--duo-file", str(tmp_path / "duo.safetensors"),
+                 "--tail-tokens", "8", "--kept-keys", "32"]) == 0
+    for bad in (["--settings", "duo"], ["--settings", "aah", "--duo-file", str(tmp_path / "duo.safetensors")]):
+        assert main([*base, *bad]) == 2
+        assert "--settings duo and --duo-file go together" in capsys.readouterr().err

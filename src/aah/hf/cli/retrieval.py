@@ -1,5 +1,7 @@
 """``aah hf retrieval``: passkey, needle-in-a-haystack and variable-tracking accuracy of full
-attention, the calibrated windows and one uniform window at the same causal coverage."""
+attention, the calibrated windows (with their kept keys, if asked), one uniform window at the
+same executed coverage, and two baselines: the windows alone (no kept keys) and a DuoAttention-
+shaped windows file (``--duo-file``, from ``aah hf calibrate --policy duo``)."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ from .setting_flags import add_setting_flags, kept_keys_config, setting_flags
 __all__ = ["add_command"]
 
 DEFAULT_DEPTHS = "0.05,0.275,0.5,0.725,0.95"
-SETTINGS = ("full", "aah", "uniform")
+SETTINGS = ("full", "aah", "uniform", "windows", "duo")
+DEFAULT_SETTINGS = ("full", "aah", "uniform")
 
 
 def add_command(subparsers) -> None:
@@ -39,8 +42,13 @@ def add_command(subparsers) -> None:
     p.add_argument("--depths", default=DEFAULT_DEPTHS, metavar="D1,D2,...",
                    help=f"needle depths in [0, 1] (default {DEFAULT_DEPTHS})")
     p.add_argument("--trials", type=int, default=2, help="samples per (task, length, depth) cell (default 2)")
-    p.add_argument("--settings", default=",".join(SETTINGS), metavar="S1,S2,...",
-                   help="which of full, aah, uniform to run (default all three)")
+    p.add_argument("--settings", default=",".join(DEFAULT_SETTINGS), metavar="S1,S2,...",
+                   help="which of full, aah (the windows file with the sink and kept-key flags), uniform (one "
+                        "window at aah's executed coverage, the same sinks and kept keys), windows (the windows "
+                        "file with the same sinks, no kept keys) and duo (--duo-file, its own sinks, no kept "
+                        "keys) to run (default full,aah,uniform)")
+    p.add_argument("--duo-file", metavar="FILE",
+                   help="the windows file of the duo setting (aah hf calibrate --policy duo)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--filler", default="repeat", metavar="NAME",
                    help="the haystack's genre: repeat (repetitive sentences, the default), prose (King James "
@@ -84,6 +92,8 @@ def _retrieval(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CLIError(f"--filler: {exc}") from None
     wanted = _names("--settings", args.settings, SETTINGS)
+    if ("duo" in wanted) != (args.duo_file is not None):
+        raise CLIError("--settings duo and --duo-file go together: give both or neither")
     depths = _numbers("--depths", args.depths, float, lambda d: 0.0 <= d <= 1.0, "depths in [0, 1]")
     if args.trials < 1:
         raise CLIError(f"--trials must be >= 1, got {args.trials}")
@@ -104,6 +114,7 @@ def _retrieval(args: argparse.Namespace) -> int:
 
     try:
         windows, meta = load_windows(args.windows_file)
+        duo = None if args.duo_file is None else load_windows(args.duo_file)
     except (FileNotFoundError, ValueError) as exc:
         raise CLIError(str(exc)) from None
     config, tokenizer, load_model = load_model_folder(args.model_dir, 2)
@@ -112,6 +123,8 @@ def _retrieval(args: argparse.Namespace) -> int:
         raise CLIError(f"--lengths must be at most {limit} (max_position_embeddings of the model), got {max(lengths)}")
     try:
         check_windows_for(config, windows, meta, args.windows_file)
+        if duo is not None:
+            check_windows_for(config, duo[0], duo[1], args.duo_file)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
     try:
@@ -133,11 +146,18 @@ def _retrieval(args: argparse.Namespace) -> int:
             if kept.prefill_keys:
                 override += f"|roll{kept.prefill_keys}/{kept.prefill_block}".encode()
         windows_tag = hashlib.sha256(Path(args.windows_file).read_bytes() + override).hexdigest()[:16]
-        journal = AnswerJournal(args.answers, model_tag, windows_tag)
+        # The baselines read no kept keys: their answers depend on their windows and sinks only.
+        setting_tags = {"windows": hashlib.sha256(Path(args.windows_file).read_bytes()
+                                                  + f"|sinks{sinks}".encode()).hexdigest()[:16]}
+        if duo is not None:
+            setting_tags["duo"] = hashlib.sha256(Path(args.duo_file).read_bytes()).hexdigest()[:16]
+        journal = AnswerJournal(args.answers, model_tag, windows_tag, setting_tags)
     outputs: dict[str, list[str]] = {name: [] for name in wanted}
     facts: dict[str, dict[str, dict]] = {name: {} for name in wanted}
     for length in lengths:
-        settings = {"full": Setting("full", None), "aah": aah}
+        settings = {"full": Setting("full", None), "aah": aah, "windows": Setting("windows", windows, sinks)}
+        if duo is not None:
+            settings["duo"] = Setting("duo", duo[0], int(duo[1]["sink_tokens"]))
         if "uniform" in wanted:
             settings["uniform"] = uniform_setting(model, aah, length)
         chosen = [settings[name] for name in wanted]
@@ -151,6 +171,7 @@ def _retrieval(args: argparse.Namespace) -> int:
     report = {
         "config": {
             "model": meta["model"], "windows_file": args.windows_file, "policy": meta["policy"],
+            "duo_file": args.duo_file,
             "sink_tokens": aah.sink_tokens, "tasks": tasks, "lengths": lengths, "depths": depths,
             "trials": args.trials, "seed": args.seed, "filler": args.filler, "settings": wanted,
             **kept_keys_config(kept),

@@ -98,8 +98,9 @@ class AnswerJournal:
     The first line, ``{"model": <model_key>}``, names the content of the model folder the answers
     came from; every other line is one answer, ``{"key", "text"}``. An answer's key is what decides
     it besides the model: the ``model_tag`` alone for the ``full`` setting (its answers are
-    reused by runs with other windows files), the ``model_tag`` and the ``windows_tag`` for the
-    others; then the setting's name and a digest of the sample's prompt tokens and answer
+    reused by runs with other windows files), the ``model_tag`` and the setting's own tag in
+    ``setting_tags`` where it has one (a baseline that reads other windows, or no kept keys),
+    else the ``windows_tag``; then the setting's name and a digest of the sample's prompt tokens and answer
     length; then, for a sample whose filler is not its task's default (``repeat``; ``niah_text``:
     ``dialogue``), the filler's name, so answers of different fillers never mix (and the keys
     of the default filler are those journals had before the filler could be chosen). Each
@@ -109,8 +110,10 @@ class AnswerJournal:
     model's content, and one written before journals named their model.
     """
 
-    def __init__(self, path: str | Path, model_tag: str, windows_tag: str) -> None:
+    def __init__(self, path: str | Path, model_tag: str, windows_tag: str,
+                 setting_tags: dict[str, str] | None = None) -> None:
         self.path, self.model_tag, self.windows_tag = Path(path), model_tag, windows_tag
+        self.setting_tags = dict(setting_tags or {})  # a setting's own tag in place of windows_tag
         self.done: dict[str, str] = {}
         self.model: str | None = None  # the model_key the journal was written for
         self.bound: Path | None = None
@@ -152,7 +155,7 @@ class AnswerJournal:
 
     def key(self, setting: str, sample: Sample) -> str:
         prompt = hashlib.sha256(json.dumps([sample.input_ids, sample.max_new_tokens]).encode()).hexdigest()[:20]
-        tag = self.model_tag if setting == "full" else f"{self.model_tag}{self.windows_tag}"
+        tag = self.model_tag if setting == "full" else f"{self.model_tag}{self.setting_tags.get(setting, self.windows_tag)}"
         key = f"{tag}|{setting}|{prompt}"
         return key if sample.filler == task_filler(sample.task) else f"{key}|{sample.filler}"
 
