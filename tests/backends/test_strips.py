@@ -13,6 +13,7 @@ from aah.backends import executed_coverage, resolve_backend
 from aah.backends.strips import strip_attention, strip_block, strip_entries
 from aah.windows import causal_pairs
 
+from ..conftest import reference_attention
 from .test_banded_and_flex import CASES, _check, _qkv, check_low_precision
 
 # Windows not multiples of the block, T not a multiple of the block, T - W not a
@@ -220,3 +221,26 @@ def test_auto_candidates_are_exact_backends_that_can_run():
     cpu = torch.device("cpu")
     assert auto_mod.candidates(cpu, torch.float32, (4, 32), 32, True) == ["strips", "banded"]
     assert auto_mod.candidates(cpu, torch.float32, (32, 40), 32, True) == ["strips", "banded", "sdpa"]
+
+
+@pytest.mark.parametrize("windows, sinks, length", [
+    ((4, 4, 64, 64, 9, 1), 0, 64),
+    ((16, 16, 3, 3, 40, 40), 5, 61),  # a length that leaves a partial last chunk
+    ((200, 7, 7, 7, 20, 20), 3, 90),  # a window past the length: plain causal heads
+], ids=["no_sinks", "sinks_partial_chunk", "window_past_length"])
+def test_strip_attention_lse_gives_the_reference_output_and_log_sum_exp(windows, sinks, length):
+    """The forward-only entry point kept keys join through: its output and its log-sum-exp of the
+    scaled scores each query reads, against float64 (GQA: three KV heads for six query heads)."""
+    from aah.backends.strips import strip_attention_lse
+    from aah.windows import visible
+
+    torch.manual_seed(5)
+    q, k, v = torch.randn(2, 6, length, 16), torch.randn(2, 3, length, 16), torch.randn(2, 3, length, 16)
+    out, lse = strip_attention_lse(q, k, v, windows, 0.3, sink_tokens=sinks)
+    torch.testing.assert_close(out.double(), reference_attention(q, k, v, windows, 0.3, sinks), atol=1e-5, rtol=1e-5)
+    scores = q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2) * 0.3
+    pos = torch.arange(length)
+    allowed = visible(pos[:, None], pos[None, :], torch.tensor(windows)[:, None, None], sinks)
+    expected = torch.logsumexp(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+    assert lse.dtype == torch.float32
+    torch.testing.assert_close(lse.double(), expected, atol=1e-5, rtol=1e-5)
