@@ -8,7 +8,9 @@ saves. ``csrc/`` holds the compiled replacements:
 
 * :func:`ring_decode`: attention of one query per head over each head's
   window of its KV head's ring, in spans of at most 256 entries spread over
-  the threads and joined exactly by their maxima and sums;
+  the threads and joined exactly by their maxima and sums; with
+  :class:`KeptSlots`, each KV head's kept keys (far keys a prefill chose to
+  keep, :mod:`aah.hf.bridge.kept_keys`) join the same softmax as more spans;
 * :func:`ring_decode_packed`: the rotary embedding, the ring write and that
   attention, from a layer's packed QKV projection: the attention part of
   :func:`decode_block`, callable alone for its tests;
@@ -35,7 +37,30 @@ from torch.nn import functional as F
 from .extension import decode_step_label, load, unavailable_reason
 from .route import inference_reason
 
-__all__ = ["ACTIVATIONS", "LINEAR_ROWS_MAX", "decode_step_label", "linear", "linear_rows", "load", "ring_decode", "ring_decode_packed", "decode_block", "Block", "BLOCK_PARTS", "Rings", "paged_attention", "unavailable_reason"]
+__all__ = ["ACTIVATIONS", "LINEAR_ROWS_MAX", "decode_step_label", "linear", "linear_rows", "load", "ring_decode", "ring_decode_packed", "decode_block", "Block", "BLOCK_PARTS", "KeptSlots", "Rings", "paged_attention", "unavailable_reason"]
+
+
+class KeptSlots(NamedTuple):
+    """Kept keys beside a layer's rings, as the compiled steps read them
+    (:func:`aah.decode.rings.pack_kept` builds them from a prefill's kept keys).
+
+    ``keys``, ``values`` (B, K, D): contiguous, in the rings' dtype; ``valid`` (B, K) bool:
+    which entries of each row hold a key; ``start``, ``count`` (H_kv,) int64 on the CPU: KV
+    head ``g``'s entries are slots ``start[g] .. start[g] + count[g]``. Every query head
+    reading KV head ``g`` reads its valid entries in the same softmax as its window and sinks
+    (they must never be among those: no key is counted twice).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    valid: torch.Tensor
+    start: torch.Tensor
+    count: torch.Tensor
+
+
+def _kept(kept: KeptSlots | None) -> tuple[torch.Tensor | None, ...]:
+    """The five kept-key arguments of the compiled steps (``None`` each: no kept keys)."""
+    return (None,) * 5 if kept is None else tuple(kept)
 
 
 def ring_decode(
@@ -50,6 +75,7 @@ def ring_decode(
     *,
     sinks: int = 0,
     lse: torch.Tensor | None = None,
+    kept: KeptSlots | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` (B, H, D) over the last ``min(W_h, length, C)`` entries of each head's ring.
 
@@ -59,13 +85,15 @@ def ring_decode(
     ``h // (H // H_kv)`` with window ``windows[h]``; ``length`` positions are
     written (the newest included). With ``sinks`` the ``sinks`` slots before
     each ring hold positions ``0 .. sinks - 1``, and a head also reads those
-    that lie before its window (:func:`aah.windows.visible`). Returns (B, H, D); with ``lse``
-    (a float32 (B, H) tensor) also writes there each row's log-sum-exp of its scaled scores,
-    with which more keys can join the same softmax. Raises ``RuntimeError`` when the extension
-    is not available (see :func:`load`).
+    that lie before its window (:func:`aah.windows.visible`). With ``kept``
+    (:class:`KeptSlots`) a head also reads the valid kept keys of its KV head, in the same
+    softmax. Returns (B, H, D); with ``lse`` (a float32 (B, H) tensor) also writes there each
+    row's log-sum-exp of its scaled scores (over every key it read), with which more keys can
+    join the same softmax. Raises ``RuntimeError`` when the extension is not available (see
+    :func:`load`).
     """
     return _module().ring_decode(
-        q, keys, values, ring_start, capacity, windows, int(length), int(sinks), float(scale), lse
+        q, keys, values, ring_start, capacity, windows, int(length), int(sinks), float(scale), lse, *_kept(kept)
     )
 
 
@@ -133,6 +161,7 @@ def ring_decode_packed(
     scale: float,
     *,
     sinks: int = 0,
+    kept: KeptSlots | None = None,
 ) -> torch.Tensor:
     """One whole decode step of a layer from its packed QKV projection; returns (B, H * D).
 
@@ -143,10 +172,10 @@ def ring_decode_packed(
     :class:`aah.attention.RotaryEmbedding` does (rotate-half). The key and value
     go into slot ``(length - 1) % C`` of their KV head's ring (and that slot of
     ``rings.unread`` becomes 0; the sink slots are not written); then the query
-    attends as :func:`ring_decode` with ``sinks``.
+    attends as :func:`ring_decode` with ``sinks`` and ``kept``.
     """
     return _module().ring_decode_packed(
-        qkv, *_tables(qkv, cos, sin), *rings, int(length), int(sinks), float(scale)
+        qkv, *_tables(qkv, cos, sin), *rings, int(length), int(sinks), float(scale), *_kept(kept)
     )
 
 
@@ -192,17 +221,17 @@ class Block(NamedTuple):
 
 def decode_block(
     x: torch.Tensor, block: Block, cos: torch.Tensor | None, sin: torch.Tensor | None, rings: Rings,
-    length: int, scale: float, *, sinks: int = 0,
+    length: int, scale: float, *, sinks: int = 0, kept: KeptSlots | None = None,
 ) -> torch.Tensor:
     """One decode step of a pre-norm block, ``x + out(attn(qkv(norm1(x))))`` then ``x + down(act(up(norm2(x))))``.
 
     ``x`` (B, d_model) at position ``length - 1``; the attention is
-    :func:`ring_decode_packed` (the arguments after ``block`` are its own).
+    :func:`ring_decode_packed` (the arguments after ``block`` are its own, ``kept`` included).
     Returns the block's output (B, d_model).
     """
     return _module().decode_block(
         x, block.weights, block.norm, float(block.eps[0]), float(block.eps[1]), block.activation,
-        *_tables(x, cos, sin), *rings, int(length), int(sinks), float(scale),
+        *_tables(x, cos, sin), *rings, int(length), int(sinks), float(scale), *_kept(kept),
     )
 
 

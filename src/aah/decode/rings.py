@@ -17,6 +17,10 @@ positions below a ring's allocation sit in slot = position, so growth copies the
 Which keys a query reads is :func:`aah.windows.visible`; :meth:`RingStore.attend` builds its mask
 from it (adding only which column, sink slot, ring slot or new token, each key is read from),
 and the compiled kernels are tested against it.
+
+Kept keys (far keys a prefill keeps per KV head, :mod:`aah.hf.bridge.kept_keys`) live beside the
+store, per ring group; :meth:`RingStore.attend` reads them in that form, and the compiled steps
+read them packed once into one pair of buffers (:func:`pack_kept`, :class:`KeptSlots`).
 """
 
 from __future__ import annotations
@@ -31,7 +35,14 @@ from ..windows import check_sink_tokens, kv_group_reach, visible, window_tuple
 from . import ring_decode
 from .route import ATTENTION, BLOCK, PREFILL, choose_route
 
-__all__ = ["GROWTH", "RingGroup", "RingStore", "joined_route", "kv_capacities"]
+__all__ = ["GROWTH", "KeptSlots", "RingGroup", "RingStore", "joined_route", "kv_capacities", "pack_kept"]
+
+KeptSlots = ring_decode.KeptSlots
+
+#: Kept keys per ring group, in the order of :attr:`RingStore.groups`: keys, values (B, n, K, D) of
+#: the group's ``n`` KV heads and a (B, n, K) bool flag of which entries hold a key
+#: (:meth:`aah.hf.bridge.kept_keys.KeptStore.readable`).
+KeptGroups = Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 #: A ring that must grow grows by at least ``1 / GROWTH`` of its size (up to its capacity), so
 #: that decoding while long rings fill copies the buffers rarely.
@@ -47,6 +58,51 @@ def kv_capacities(windows: Sequence[int], num_kv_heads: int, max_len: int | None
         raise ValueError(f"max_len must be a positive int, got {max_len!r}")
     caps = kv_group_reach(window_tuple(windows), num_kv_heads)
     return caps if max_len is None else tuple(min(c, max_len) for c in caps)
+
+
+def pack_kept(kept: KeptGroups, groups: Sequence[RingGroup], dtype: torch.dtype | None = None) -> KeptSlots:
+    """The kept keys of every ring group (``kept``, as :meth:`RingStore.attend` reads them) packed
+    for the compiled steps: KV head after KV head, in the order of ``groups``, one run of slots each.
+
+    A KV head's run ends after the last entry valid in any row (a head with none has an empty
+    run), so the steps visit no slot that no row holds. Keys and values are cast to ``dtype``
+    (the rings' dtype, which the compiled steps require; ``None``: their own). Build it once per
+    change of the kept keys (a prefill, a row selection, a crop that forgets some) and hand it to
+    every :meth:`RingStore.decode` and :meth:`RingStore.decode_block` until then.
+    """
+    if not groups or len(kept) != len(groups):
+        raise ValueError(f"kept keys must come per ring group: {len(groups)} groups, {len(kept)} given")
+    num_kv_heads = sum(len(g.kv_heads) for g in groups)
+    start, count = [0] * num_kv_heads, [0] * num_kv_heads
+    keys, values, valid, offset = [], [], [], 0
+    for g, (k, v, ok) in zip(groups, kept):
+        if k.shape[:3] != ok.shape or v.shape[:3] != ok.shape or ok.shape[1] != len(g.kv_heads):
+            raise ValueError(
+                f"a ring group's kept keys must be (B, {len(g.kv_heads)}, K, D) with a (B, {len(g.kv_heads)}, K) "
+                f"valid flag; got keys {tuple(k.shape)}, values {tuple(v.shape)}, valid {tuple(ok.shape)}"
+            )
+        if ok.shape[-1] == 0:
+            continue
+        held = ok.any(0)  # (n, K): entries some row holds
+        ends = torch.where(held, torch.arange(1, held.shape[-1] + 1, device=held.device), 0).amax(-1).tolist()
+        for i, kv in enumerate(g.kv_heads):
+            if ends[i]:
+                start[kv], count[kv] = offset, ends[i]
+                keys.append(k[:, i, :ends[i]])
+                values.append(v[:, i, :ends[i]])
+                valid.append(ok[:, i, :ends[i]])
+                offset += ends[i]
+    if not keys:  # nothing held: empty buffers, which the steps read as no kept keys
+        k, v, ok = kept[0]
+        keys, values, valid = [k.flatten(1, 2)[:, :0]], [v.flatten(1, 2)[:, :0]], [ok.flatten(1, 2)[:, :0]]
+    dtype = keys[0].dtype if dtype is None else dtype
+    return KeptSlots(
+        torch.cat([t.to(dtype) for t in keys], dim=1).contiguous(),
+        torch.cat([t.to(dtype) for t in values], dim=1).contiguous(),
+        torch.cat(valid, dim=1).to(torch.bool).contiguous(),
+        torch.tensor(start, dtype=torch.long),
+        torch.tensor(count, dtype=torch.long),
+    )
 
 
 def joined_route(routes: Iterable[str | None]) -> str:
@@ -277,7 +333,7 @@ class RingStore:
         first_real: torch.Tensor | None = None,
         key_mask: torch.Tensor | None = None,
         scale: float | None = None,
-        kept: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+        kept: KeptGroups | None = None,
     ) -> torch.Tensor:
         """Exact masked attention of ``query`` (B, H, T, D) at positions ``start..`` over the stored
         slots plus the new keys/values (B, H_kv, T, D) of those positions, which are not stored yet.
@@ -347,7 +403,8 @@ class RingStore:
         key_mask: torch.Tensor | None = None,
         compute: torch.dtype | None = None,
         record: WriteRecorder | None = None,
-        kept: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+        kept: KeptGroups | None = None,
+        kept_slots: KeptSlots | None = None,
     ) -> torch.Tensor:
         """Attend ``query`` (B, H, T, D) at positions ``start..`` over the stored slots plus the new
         keys/values, then store those: the route of every call that is not a whole compiled block.
@@ -356,7 +413,9 @@ class RingStore:
         that the route decision (:func:`aah.decode.route.choose_route`) sends to the compiled
         attention is written, then read by one :meth:`decode` call; anything else is :meth:`attend`
         (with the query in ``compute``, when given). :attr:`route` names the route taken and
-        :attr:`route_reason` why no faster one. Other arguments as :meth:`attend` and :meth:`write`.
+        :attr:`route_reason` why no faster one. ``kept_slots``: ``kept`` packed by :func:`pack_kept`,
+        which :meth:`decode` reads (without it, the kept keys are packed for this call). Other
+        arguments as :meth:`attend` and :meth:`write`.
         """
         route = choose_route(self, query, start=start, tokens=query.shape[2], first_real=first_real,
                              padded=key_mask is not None)
@@ -366,7 +425,7 @@ class RingStore:
             out = prefill()
         elif route.name == ATTENTION:
             self.write(new_keys, new_values, start, first_real, record)
-            return self.decode(query[:, :, 0], start + 1, scale, kept)[:, :, None]
+            return self.decode(query[:, :, 0], start + 1, scale, kept if kept_slots is None else kept_slots)[:, :, None]
         else:
             compute = query.dtype if compute is None else compute
             out = self.attend(
@@ -382,60 +441,37 @@ class RingStore:
         self._layer_reason = reason
 
     def decode(
-        self, query: torch.Tensor, length: int, scale: float,
-        kept: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+        self, query: torch.Tensor, length: int, scale: float, kept: KeptSlots | KeptGroups | None = None,
     ) -> torch.Tensor:
         """Attention of ``query`` (B, H, D) at position ``length - 1`` (stored) over each head's
         window and the sinks before it, in one call of :func:`aah.decode.ring_decode.ring_decode`;
-        ``kept`` keys (as :meth:`attend` takes them) join the same softmax through its log-sum-exp."""
+        ``kept`` keys join the same softmax in that call: packed by :func:`pack_kept` (built once
+        per change of the kept keys), or per ring group as :meth:`attend` takes them (packed here,
+        for this call)."""
         ring_start, allocated, _ = self.ring_index()
-        query = query.contiguous()
-        lse = None if kept is None else query.new_empty(query.shape[:2], dtype=torch.float32)
-        out = ring_decode.ring_decode(
-            query, self.flat_keys, self.flat_values, ring_start, allocated, self.windows_tensor,
-            length, scale, sinks=self.sinks, lse=lse,
+        if kept is not None and not isinstance(kept, KeptSlots):
+            kept = pack_kept(kept, self.groups, self.dtype)
+        return ring_decode.ring_decode(
+            query.contiguous(), self.flat_keys, self.flat_values, ring_start, allocated, self.windows_tensor,
+            length, scale, sinks=self.sinks, kept=kept,
         )
-        if kept is not None:
-            for g, (keys, values, valid) in zip(self.groups, kept):
-                if keys.shape[2]:
-                    out[:, g.query_heads] = _join_kept(query[:, g.query_heads], out[:, g.query_heads],
-                                                       lse[:, g.query_heads], keys, values, valid, scale)
-        return out
 
     def decode_block(
         self, x: torch.Tensor, block: ring_decode.Block, cos: torch.Tensor | None, sin: torch.Tensor | None,
-        position: int, scale: float,
+        position: int, scale: float, kept: KeptSlots | None = None,
     ) -> torch.Tensor:
         """One decode step of a whole pre-norm block at ``position`` (``x`` (B, d_model)) in one call
         of :func:`aah.decode.ring_decode.decode_block`, which writes the new key and value (to the
-        ring only: the sink slots must hold positions 0..S-1 already)."""
+        ring only: the sink slots must hold positions 0..S-1 already); ``kept`` keys
+        (:func:`pack_kept`) join its attention's softmax."""
         if position < self.sinks:
             raise ValueError(f"a compiled step at position {position} would leave sink slots unwritten ({self.sinks} sinks)")
         self.grow(position + 1)
-        out = ring_decode.decode_block(x.contiguous(), block, cos, sin, self.rings(), position + 1, scale, sinks=self.sinks)
+        out = ring_decode.decode_block(
+            x.contiguous(), block, cos, sin, self.rings(), position + 1, scale, sinks=self.sinks, kept=kept
+        )
         for g in self.groups:
             g.ring_positions[position % g.capacity] = position
         self.route, self.route_reason = BLOCK, None
         return out
 
-
-def _join_kept(
-    query: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-    valid: torch.Tensor, scale: float,
-) -> torch.Tensor:
-    """One softmax over a ring's keys and kept keys: ``out`` (B, H, D) and ``lse`` (B, H) are the
-    ring's attention and log-sum-exp for ``query`` (B, H, D); ``keys``/``values`` (B, n, K, D) the
-    kept keys of the ``n`` KV heads these ``H`` query heads read (``H / n`` each, in order) and
-    ``valid`` (B, n, K) which of them hold a key. Returns the joined (B, H, D) in ``out``'s dtype."""
-    batch, heads, dim = query.shape
-    n = keys.shape[1]
-    q = query.float().view(batch, n, heads // n, dim)
-    scores = torch.matmul(q, keys.float().transpose(-1, -2)) * scale  # (B, n, H / n, K)
-    scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
-    kept_lse = torch.logsumexp(scores, dim=-1)  # -inf where a head keeps nothing
-    top = torch.maximum(kept_lse, lse.view(batch, n, -1))
-    ring_weight = torch.exp(lse.view(batch, n, -1) - top)[..., None]
-    kept_weight = torch.exp(kept_lse - top)[..., None]
-    kept_out = torch.matmul(torch.exp(scores - top[..., None]), values.float())  # unnormalised, scaled by 1/e^top
-    joined = (out.float().view(batch, n, heads // n, -1) * ring_weight + kept_out) / (ring_weight + kept_weight)
-    return joined.view(batch, heads, -1).to(out.dtype)

@@ -43,11 +43,14 @@ at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& weight, const c10:
 // [ring_start[g], ring_start[g] + capacity[g]), its sink tokens (positions 0..sinks-1) in the
 // sinks slots before; windows (H,) per query head; length: positions written so far (the new
 // one included); lse: None, or a contiguous float32 (B, H) tensor that receives each row's
-// log-sum-exp of scaled scores. Returns (B, H, D) in q's dtype.
+// log-sum-exp of scaled scores; kept_keys .. kept_count: None, or the kept keys every query head
+// of a KV head also reads (check_kept). Returns (B, H, D) in q's dtype.
 at::Tensor ring_decode(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
                        const at::Tensor& ring_start, const at::Tensor& capacity,
                        const at::Tensor& windows, int64_t length, int64_t sinks, double scale,
-                       const c10::optional<at::Tensor>& lse) {
+                       const c10::optional<at::Tensor>& lse, const c10::optional<at::Tensor>& kept_keys,
+                       const c10::optional<at::Tensor>& kept_values, const c10::optional<at::Tensor>& kept_valid,
+                       const c10::optional<at::Tensor>& kept_start, const c10::optional<at::Tensor>& kept_count) {
   check_rings(keys, values, ring_start, capacity, windows, length, sinks);
   TORCH_CHECK(q.device().is_cpu() && q.dim() == 3 && q.is_contiguous(), "q must be a contiguous 3-d CPU tensor");
   TORCH_CHECK(keys.scalar_type() == q.scalar_type(), "q, keys, values must share a dtype");
@@ -60,11 +63,13 @@ at::Tensor ring_decode(const at::Tensor& q, const at::Tensor& keys, const at::Te
                     lse->numel() == q.size(0) * q.size(1),
                 "lse must be a contiguous float32 (B, H) CPU tensor");
   }
+  const KeptView kept =
+      check_kept(kept_keys, kept_values, kept_valid, kept_start, kept_count, keys, ring_start.numel());
   at::Tensor out = at::empty_like(q);
   const at::Tensor start = ring_start.contiguous(), cap = capacity.contiguous(), win = windows.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "ring_decode", [&] {
     attend_rings<scalar_t>(q, keys, values, start, cap, win, length, sinks, scale, out,
-                           with_lse ? lse->data_ptr<float>() : nullptr);
+                           with_lse ? lse->data_ptr<float>() : nullptr, kept);
   });
   return out;
 }
@@ -77,12 +82,17 @@ at::Tensor ring_decode(const at::Tensor& q, const at::Tensor& keys, const at::Te
 // its ring only); unread (1, S): a float32 scratch row whose entry for the written slot is set
 // to 0 (the caches keep their own record of the positions held). Rotates the query and the key, writes the key and
 // the value into slot (length - 1) % C of their KV head's ring (marking it written), then
-// attends as ring_decode. Returns (B, H * D), the heads side by side.
+// attends as ring_decode (with the kept keys, where given). Returns (B, H * D), the heads side by side.
 at::Tensor ring_decode_packed(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                               at::Tensor& keys, at::Tensor& values, at::Tensor& unread,
                               const at::Tensor& ring_start, const at::Tensor& capacity,
-                              const at::Tensor& windows, int64_t length, int64_t sinks, double scale) {
+                              const at::Tensor& windows, int64_t length, int64_t sinks, double scale,
+                              const c10::optional<at::Tensor>& kept_keys, const c10::optional<at::Tensor>& kept_values,
+                              const c10::optional<at::Tensor>& kept_valid, const c10::optional<at::Tensor>& kept_start,
+                              const c10::optional<at::Tensor>& kept_count) {
   check_rings(keys, values, ring_start, capacity, windows, length, sinks);
+  const KeptView kept =
+      check_kept(kept_keys, kept_values, kept_valid, kept_start, kept_count, keys, ring_start.numel());
   TORCH_CHECK(keys.scalar_type() == at::kFloat || keys.scalar_type() == at::kBFloat16,
               "the packed step runs float32 or bfloat16 rings");
   const int64_t batch = keys.size(0), slots = keys.size(1), dim = keys.size(2);
@@ -127,7 +137,7 @@ at::Tensor ring_decode_packed(const at::Tensor& qkv, const at::Tensor& cos, cons
         mask[slot] = 0.0f;
       }
     }
-    attend_rings<scalar_t>(q, keys, values, start, cap, win, length, sinks, scale, out);
+    attend_rings<scalar_t>(q, keys, values, start, cap, win, length, sinks, scale, out, nullptr, kept);
   });
   return out.view({batch, heads * dim});
 }
@@ -189,13 +199,16 @@ enum Weight {
 // the qkv weight is the query projection alone (three projections side by side); without, it
 // is the packed projection. Activation "gelu", "relu" or "swiglu" (silu(gate) * value: with a
 // gate weight the up weight gives the value; without, up gives the gate, then the value).
-// norm "layernorm" or "rmsnorm" (eps1, eps2 the norms' epsilons). The rest as
-// ring_decode_packed. Returns the block's output (B, d_model).
+// norm "layernorm" or "rmsnorm" (eps1, eps2 the norms' epsilons). The rest (the kept keys
+// included) as ring_decode_packed. Returns the block's output (B, d_model).
 at::Tensor decode_block(const at::Tensor& x, const std::vector<c10::optional<at::Tensor>>& weights,
                         const std::string& norm, double eps1, double eps2, const std::string& activation,
                         const at::Tensor& cos, const at::Tensor& sin, at::Tensor& keys, at::Tensor& values,
                         at::Tensor& unread, const at::Tensor& ring_start, const at::Tensor& capacity,
-                        const at::Tensor& windows, int64_t length, int64_t sinks, double scale) {
+                        const at::Tensor& windows, int64_t length, int64_t sinks, double scale,
+                        const c10::optional<at::Tensor>& kept_keys, const c10::optional<at::Tensor>& kept_values,
+                        const c10::optional<at::Tensor>& kept_valid, const c10::optional<at::Tensor>& kept_start,
+                        const c10::optional<at::Tensor>& kept_count) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous 2-d CPU tensor");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "the block step runs float32 or bfloat16");
@@ -243,6 +256,7 @@ at::Tensor decode_block(const at::Tensor& x, const std::vector<c10::optional<at:
   }
   TORCH_CHECK(out_w.size(1) == windows.numel() * keys.size(2),
               "the out weight must take the H * D attention outputs");  // before anything is written
+  check_kept(kept_keys, kept_values, kept_valid, kept_start, kept_count, keys, ring_start.numel());
   const bool rms = norm == "rmsnorm";
   at::Tensor y = x.clone();
   at::Tensor normed = at::empty_like(x);
@@ -271,7 +285,8 @@ at::Tensor decode_block(const at::Tensor& x, const std::vector<c10::optional<at:
     norm_rows(yp, batch, model, data(kNorm1W), data(kNorm1B), rms, eps1, np);
     project(np, qkv_parts, Activation::kNone, qkv.data_ptr<scalar_t>(), qkv_features);
     at::Tensor heads = ring_decode_packed(qkv, cos, sin, keys, values, unread, ring_start, capacity, windows,
-                                          length, sinks, scale);
+                                          length, sinks, scale, kept_keys, kept_values, kept_valid, kept_start,
+                                          kept_count);
     linear(heads.data_ptr<scalar_t>(), batch, out_w.size(1), data(kOutW), model, data(kOutB), Activation::kNone, pp);
     add_into(yp, pp, batch * model);
     norm_rows(yp, batch, model, data(kNorm2W), data(kNorm2B), rms, eps2, np);
@@ -346,7 +361,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key_cache,
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("ring_decode", &ring_decode, "one decode step over per-head-window ring buffers");
+  m.def("ring_decode", &ring_decode, "one decode step over per-head-window ring buffers (and kept_keys beside them)");
   m.def("ring_decode_packed", &ring_decode_packed,
         "rotary, ring write and attention of one decode step, from the packed QKV projection");
   m.def("linear_rows", &linear_rows, "activation(x @ weight.T + bias) for a few rows, reading the weight once");
