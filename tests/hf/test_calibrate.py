@@ -342,8 +342,8 @@ def test_calibrate_then_eval_end_to_end(tiny_model_dir, tmp_path, capsys):
 def test_eval_takes_sink_tokens_and_kept_keys(tiny_model_dir, tmp_path, capsys):
     """--sink-tokens and --tail-tokens/--kept-keys: the config says what ran, the windowed settings'
     ACR and causal coverage are those of kept_coverage and their executed coverage that of
-    executed_read_coverage, their KV bytes hold the kept keys too, and their decode steps take the
-    compiled attention step (not the whole-layer one). The windows file predates executed_coverage."""
+    executed_read_coverage, their KV bytes hold the kept keys too, and their decode steps run the
+    whole layer compiled, kept keys included. The windows file predates executed_coverage."""
     from aah.hf.bridge.kept_keys import KeptKeys, executed_read_coverage, kept_coverage
     from aah.hf.bridge.spec import LayerWindows
 
@@ -373,8 +373,8 @@ def test_eval_takes_sink_tokens_and_kept_keys(tiny_model_dir, tmp_path, capsys):
     assert kept["aah"]["kv_bytes"] - plain["aah"]["kv_bytes"] == 2 * 2 * 2 * 6 * 2 * 8 * 4
     from aah.decode import ring_decode
 
-    compiled = ring_decode.unavailable_reason() is None  # kept keys: the attention step, not the whole layer
-    assert kept["aah"]["decode_route"] == kept["uniform"]["decode_route"] == ("compiled attention" if compiled else "masked")
+    compiled = ring_decode.unavailable_reason() is None  # kept keys read beside the rings in the whole-layer step
+    assert kept["aah"]["decode_route"] == kept["uniform"]["decode_route"] == ("compiled block" if compiled else "masked")
     assert kept["aah"]["ppl"] == pytest.approx(plain["aah"]["ppl"])  # the perplexity reads the windows alone
     assert "kept keys count in ACR" in capsys.readouterr().out
     assert "--kept-pool must be odd" in _error([*base, "--tail-tokens", "4", "--kept-keys", "6", "--kept-pool", "2"],

@@ -141,18 +141,22 @@ CASES = {
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("route", ["compiled attention", "masked"])
+@pytest.mark.parametrize("route", ["compiled block", "compiled attention", "masked"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_kept_keys_decoding_equals_the_reference(case, route, llama, monkeypatch):
-    """Both decode routes: the compiled step joins the kept keys through its log-sum-exp, the
-    masked one reads them as more columns."""
-    if route == "compiled attention" and ring_decode.unavailable_reason() is not None:
+    """Every decode route: the compiled steps (the whole layer, or the attention alone where the
+    layer's modules must run: here a hook on the MLP) read the kept keys beside the rings in one
+    softmax, the masked one reads them as more columns."""
+    if route.startswith("compiled") and ring_decode.unavailable_reason() is not None:
         pytest.skip(f"compiled decode step unavailable: {ring_decode.unavailable_reason()}")
     if route == "masked":
         monkeypatch.setenv("AAH_RING_KERNEL", "0")  # the route decision then finds no compiled step
     heads, kv_heads, windows, sinks, prompt_len, tail, count, pool = CASES[case]
     model = llama(heads, kv_heads)
     hf.patch(model, torch.tensor(windows), sink_tokens=sinks)
+    if route == "compiled attention":
+        for layer in model.model.layers:
+            layer.mlp.register_forward_pre_hook(lambda module, args: None)
     prompt = _ids(prompt_len, seed=3)
     cache = hf.new_cache(model, kept_keys=KeptKeys(tail, count, pool))
     plain_logits = model(prompt, past_key_values=hf.new_cache(model), use_cache=True).logits[0, -1]

@@ -20,11 +20,11 @@ a dynamic cache costs), never beyond.
 The routes of a call (:attr:`WindowCacheLayer.route`):
 
 * ``compiled block``: a one-token step of a Llama, Mistral or Qwen2 layer without padding on
-  CPU runs the whole decoder layer in one compiled call (:mod:`aah.hf.bridge.block_step`);
+  CPU runs the whole decoder layer in one compiled call (:mod:`aah.hf.bridge.block_step`), any
+  kept keys (:mod:`aah.hf.bridge.kept_keys`) read beside each KV head's ring in the same softmax;
 * ``compiled attention``: any other one-token step without padding on CPU runs the layer's
-  modules, and its attention reads each head's window and the sinks before it from the flat
-  buffers in one call (:func:`aah.decode.ring_decode.ring_decode`), then joins any kept keys
-  (:mod:`aah.hf.bridge.kept_keys`) to the same softmax by its log-sum-exp;
+  modules, and its attention reads each head's window, the sinks before it and any kept keys
+  in one call (:func:`aah.decode.ring_decode.ring_decode`);
 * ``masked``: everything else (chunked prefill after a prefix, padding, other devices, no
   compiler) attends over the slots plus the new tokens with an exact position mask, then
   stores the new tokens; ``prefill``: the first call, which the model's backends run.
@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ...decode.rings import RingGroup, RingStore, joined_route
+from ...decode.rings import KeptSlots, RingGroup, RingStore, joined_route, pack_kept
 from ...decode.route import PREFILL, Route, choose_route
 from ...windows import visible as window_rule
 from .._transformers import require
@@ -116,6 +116,7 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         self.crop_limit = crop_limit
         self.kept_keys = kept_keys
         self.kept: KeptStore | None = None  # what the prefill kept (aah.hf.bridge.kept_keys)
+        self._kept_slots: KeptSlots | None = None  # self.kept packed for the compiled steps
         self.store = RingStore(self.windows, num_kv_heads, sinks=sink_tokens, max_len=max_cache_len)
         self.undo: list[list[_Undo]] = [[] for _ in self.store.groups]  # per ring group, oldest first
         self.record_past = False  # transformers' flag: record every write until the next crop
@@ -166,6 +167,7 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         self.store = RingStore(self.windows, self.num_kv_heads, sinks=self.sink_tokens, max_len=self.max_cache_len)
         self.undo = [[] for _ in self.store.groups]
         self.kept = None
+        self._kept_slots = None
         self.sink_start = None
         self.cumulative_length = 0
         self._crop_floor = 0
@@ -192,6 +194,7 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         self.sink_start = select(self.sink_start)
         if self.kept is not None:
             self.kept.select_rows(select)
+            self._kept_slots = None
 
     @property
     def route(self) -> str | None:
@@ -250,6 +253,7 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         if self.kept is not None:
             # A crop back into the prefill brings later windows back over positions kept from it.
             self.kept.forget_reached(target)
+            self._kept_slots = None
         self.cumulative_length = target
 
     def _undo_to(self, g: RingGroup, records: list[_Undo], target: int) -> None:
@@ -321,12 +325,11 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
                 out = self._read_tail_and_keep(query, pending.keys, pending.values, attention_mask, scale, spec, out)
             return out
 
-        kept = self.kept
         return self.store.attend_and_store(
             query, pending.keys, pending.values, pending.start,
             prefill=prefill, scale=scale, first_real=self.sink_start, key_mask=attention_mask,
             record=self._record if self.crop_limit or self.record_past else None,
-            kept=None if kept is None else kept.readable(),
+            kept=None if self.kept is None else self.kept.readable(), kept_slots=self.kept_slots(),
         )
 
     def _rolling_prefill(self, query, pending: Pending, attention_mask, scaling, scale: float,
@@ -354,6 +357,17 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         return by_rows(spans, query, lambda rows, span: compiled_rolling_prefill(
             query[rows, :, span], keys[rows, :, span], values[rows, :, span], spec.windows, spec.sink_tokens,
             kept_keys, scale))
+
+    def kept_slots(self) -> KeptSlots | None:
+        """The kept keys as the compiled steps read them: the store's own buffers, or (keys in
+        another dtype than the rings') packed by :func:`aah.decode.rings.pack_kept` once after each
+        change of :attr:`kept` (``None`` without kept keys)."""
+        if self.kept is None:
+            return None
+        if self._kept_slots is None:
+            self._kept_slots = (self.kept.slots() if self.kept.keys.dtype == self.store.dtype
+                                else pack_kept(self.kept.readable(), self.store.groups, self.store.dtype))
+        return self._kept_slots
 
     def _read_tail_and_keep(self, query, keys, values, attention_mask, scale, spec: LayerWindows, out):
         """The prefill's last rows read every key; each KV head keeps the far keys they read most
@@ -383,6 +397,7 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
             probs, self.num_kv_heads, eligible, self.kept_keys.keys_per_head, self.kept_keys.pool_width
         )
         self.kept = KeptStore.gather(keys, values, positions, valid, self.store.groups)
+        self._kept_slots = None
         return out
 
     @staticmethod
@@ -415,15 +430,13 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
     ) -> Route:
         """The route of a decoder layer's step through this cache (:func:`aah.decode.route.choose_route`):
         ``compiled block`` only where this cache can hand the whole layer over: it records no writes
-        for ``crop``, keeps no kept keys, holds the windows and the batch the layer runs, and the
+        for ``crop``, holds the windows and the batch the layer runs, and the
         positions continue it. ``layer()`` maps the layer's weights (or says why it cannot)."""
 
         def whole_layer():
             spec = getattr(attention, SPEC_ATTR, None)
             if self.crop_limit or self.record_past:
                 return "the cache records its writes for crop (assisted decoding, prompt lookup, crop_limit)"
-            if self.kept is not None:
-                return "kept keys join the attention's softmax, which the whole-layer step does not read"
             if spec is None or spec.windows != self.windows or spec.sink_tokens != self.sink_tokens:
                 return "the layer runs other windows than this cache holds"
             if hidden_states.shape[0] != self.sink_start.shape[0]:
@@ -452,7 +465,8 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         position, batch = self.cumulative_length, hidden_states.shape[0]
         self._check_room(position + 1)
         cos, sin = position_embeddings
-        out = self.store.decode_block(hidden_states.reshape(batch, -1), block, cos[0], sin[0], position, attention.scaling)
+        out = self.store.decode_block(hidden_states.reshape(batch, -1), block, cos[0], sin[0], position, attention.scaling,
+                                      kept=self.kept_slots())
         self.cumulative_length += 1
         return out.view(batch, 1, -1)
 
@@ -503,8 +517,8 @@ def new_cache(
     windows at or above the context cost what a dynamic cache costs. ``crop_limit`` is how many
     of the last positions ``crop`` can always take back exactly. With ``kept_keys`` the prompt's
     last tokens read every key and each KV head keeps the far keys they read most
-    (:mod:`aah.hf.bridge.kept_keys`); later one-token steps then take the ``compiled attention`` route
-    (not ``compiled block``), which joins the kept keys to the windows' softmax.
+    (:mod:`aah.hf.bridge.kept_keys`); later one-token steps read them beside the rings, in the
+    compiled routes as in the masked one.
     """
     specs = layer_specs(model)
     num_kv = kv_heads(model)

@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from ...backends.strips import strip_attention_lse
+from ...decode.ring_decode import KeptSlots
 from ...windows import causal_pairs, kv_group_reach, visible
 from .spec import executed_coverage
 
@@ -123,7 +124,8 @@ def kept_keys_from(values: Mapping[str, int | None], name: Callable[[str], str] 
 class KeptGroup:
     """The keys kept by KV heads that share one ring capacity: (B, n, K, D) keys and values,
     their positions (B, n, K) (-1 where empty) and which slots hold a key. ``K`` is the most any
-    of these heads keeps in any row, so heads with no far key to keep hold nothing."""
+    of these heads keeps in any row, so heads with no far key to keep hold nothing. The keys,
+    values and flags are views of the layer's :class:`KeptStore` buffers."""
 
     capacity: int
     kv_heads: list[int]
@@ -136,9 +138,14 @@ class KeptGroup:
 @dataclass(eq=False)
 class KeptStore:
     """What one layer keeps: one :class:`KeptGroup` per ring group of its window cache (in the
-    order of :attr:`aah.decode.rings.RingStore.groups`)."""
+    order of :attr:`aah.decode.rings.RingStore.groups`), all in one buffer of keys, one of values
+    and one of flags, KV head after KV head, which the compiled decode steps read as they are
+    (:meth:`slots`: no copy)."""
 
     groups: list[KeptGroup]
+    keys: torch.Tensor  # (B, slots, D)
+    values: torch.Tensor
+    valid: torch.Tensor  # (B, slots) bool
 
     @classmethod
     def gather(cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
@@ -146,23 +153,46 @@ class KeptStore:
         """Keep the ``positions`` (B, H_kv, K) that :func:`choose_kept` chose (``valid`` ones first)
         of ``keys``/``values`` (B, H_kv, T, D); each ring group (with ``capacity`` and ``kv_heads``)
         gets only as many slots as its heads fill."""
-        groups = []
+        parts, layout = [], []
         for ring in ring_groups:
             heads = list(ring.kv_heads)
             count = int(valid[:, heads].sum(-1).max())
             pos, ok = positions[:, heads, :count], valid[:, heads, :count]
             index = pos.clamp_min(0)[..., None]
-            groups.append(KeptGroup(
-                ring.capacity, heads,
-                keys[:, heads].gather(2, index.expand(-1, -1, -1, keys.shape[-1])),
-                values[:, heads].gather(2, index.expand(-1, -1, -1, values.shape[-1])),
-                pos.clone(), ok.clone(),
-            ))
-        return cls(groups)
+            parts.append((keys[:, heads].gather(2, index.expand(-1, -1, -1, keys.shape[-1])),
+                          values[:, heads].gather(2, index.expand(-1, -1, -1, values.shape[-1])), ok))
+            layout.append((ring.capacity, heads, pos.clone()))
+        return cls._laid_out(parts, layout)
+
+    @classmethod
+    def _laid_out(cls, parts, layout) -> KeptStore:
+        """One buffer each for the groups' keys, values and flags (B, n, K, ...), groups as views."""
+        flat = [torch.cat([p[i].flatten(1, 2) for p in parts], dim=1) for i in range(3)]
+        groups, offset = [], 0
+        for (capacity, heads, pos), (k, v, ok) in zip(layout, parts):
+            size = ok.shape[1] * ok.shape[2]
+            view = slice(offset, offset + size)
+            groups.append(KeptGroup(capacity, heads, flat[0][:, view].view(k.shape), flat[1][:, view].view(v.shape),
+                                    pos, flat[2][:, view].view(ok.shape)))
+            offset += size
+        return cls(groups, *flat)
 
     def readable(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Per ring group: keys, values and valid flags, as :meth:`aah.decode.rings.RingStore.attend` reads them."""
         return [(g.keys, g.values, g.valid) for g in self.groups]
+
+    def slots(self):
+        """The kept keys as the compiled decode steps read them (:class:`aah.decode.ring_decode.KeptSlots`):
+        the buffers themselves, each KV head a run of its group's ``K`` slots."""
+        start, count, offset = [0] * sum(len(g.kv_heads) for g in self.groups), [], 0
+        count = list(start)
+        for g in self.groups:
+            width = g.valid.shape[2]
+            for i, head in enumerate(g.kv_heads):
+                start[head], count[head] = offset + i * width, width
+            offset += len(g.kv_heads) * width
+        return KeptSlots(self.keys, self.values, self.valid, torch.tensor(start, dtype=torch.long),
+                         torch.tensor(count, dtype=torch.long))
 
     def held(self) -> list[list[list[int]]]:
         """The positions each row (first index) and KV head (second) holds, in increasing order."""
@@ -179,15 +209,16 @@ class KeptStore:
         """After a crop back to ``length`` positions, drop the keys a later window reaches again (a
         ring of capacity C serves windows that reach back to ``length - C + 1`` at the most)."""
         for g in self.groups:
-            g.valid &= g.positions <= length - g.capacity
+            g.valid &= g.positions <= length - g.capacity  # in place: the flags buffer sees it
 
     def select_rows(self, select: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        for g in self.groups:
-            for name in ("keys", "values", "positions", "valid"):
-                setattr(g, name, select(getattr(g, name)))
+        parts = [(select(g.keys), select(g.values), select(g.valid)) for g in self.groups]
+        layout = [(g.capacity, g.kv_heads, select(g.positions)) for g in self.groups]
+        again = self._laid_out(parts, layout)
+        self.groups, self.keys, self.values, self.valid = again.groups, again.keys, again.values, again.valid
 
     def memory_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for g in self.groups for t in (g.keys, g.values))
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
 
 
 def tail_attention(
