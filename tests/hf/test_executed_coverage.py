@@ -42,6 +42,29 @@ def counted(monkeypatch):
         mask = band_mask(windows, q.shape[2], sink_tokens=sink_tokens)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
 
+    # The compiled rolling prefill: its windowed pass (the window rule's pairs), its scoring rows
+    # (each reads the keys up to itself) and its kept keys' parts (each row its valid keys).
+    scoring, part = kept_module.scoring_probabilities, kept_module.kept_part
+
+    def windowed_lse(q, k, v, windows, scale, *, sink_tokens=0):
+        mask = band_mask(windows, q.shape[2], sink_tokens=sink_tokens)
+        count[0] += int(torch.broadcast_to(mask, (*q.shape[:-1], k.shape[-2])).sum())
+        group = q.shape[1] // k.shape[1]
+        scores = (q @ k.repeat_interleave(group, 1).transpose(-1, -2) * scale).masked_fill(~mask, float("-inf"))
+        return scores.softmax(-1) @ v.repeat_interleave(group, 1), scores.logsumexp(-1)
+
+    def counting_scoring(rows, keys, group):
+        n, t = rows.shape[2] // group, keys.shape[2]
+        count[0] += rows.shape[0] * rows.shape[1] * group * (n * (t - n + 1) + n * (n - 1) // 2)
+        return scoring(rows, keys, group)
+
+    def counting_part(rows, keys, values, valid):
+        count[0] += int(valid.sum()) * rows.shape[2]
+        return part(rows, keys, values, valid)
+
+    monkeypatch.setattr(kept_module, "strip_attention_lse", windowed_lse)
+    monkeypatch.setattr(kept_module, "scoring_probabilities", counting_scoring)
+    monkeypatch.setattr(kept_module, "kept_part", counting_part)
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting_sdpa)
     monkeypatch.setattr(kept_module, "tail_attention", counting_tail)
     monkeypatch.setattr(cache_module, "tail_attention", counting_tail)
@@ -51,13 +74,14 @@ def counted(monkeypatch):
 
 def _prefill_pairs(model, count, length: int, kept: KeptKeys | None, mask: bool = False) -> int:
     """The entries one prefill of a ``length``-token prompt computes through a window cache; with
-    ``mask``, given as a causal 4-D mask (the masked path)."""
+    ``mask``, given as a causal 4-D mask and with gradients on, the two-pass route (the windowed
+    pass, then the rolling recompute), which a mask the compiled pass cannot read takes."""
     ids = torch.randint(0, VOCAB, (1, length), generator=torch.Generator().manual_seed(length))
     extra = {}
     if mask:
         extra["attention_mask"] = torch.ones(length, length, dtype=torch.bool).tril()[None, None]
     count[0] = 0
-    with torch.no_grad():
+    with torch.set_grad_enabled(mask):
         model(ids, past_key_values=hf.new_cache(model, kept_keys=kept), use_cache=True, **extra)
     return count[0]
 

@@ -349,6 +349,30 @@ def rolling_prefill(
     return rolling_kept_attention(query, key, value, out, windows, sink_tokens, real, kept, scale)
 
 
+def scoring_probabilities(rows: torch.Tensor, keys: torch.Tensor, group: int) -> torch.Tensor:
+    """Causal attention probabilities of a block's last rows over the keys before the block.
+
+    ``rows`` (B, S, G * n, D): the ``n`` rows before position ``t`` (``keys`` (B, S, t, D) holds
+    positions ``0 .. t - 1``) of the ``G`` query heads of each of ``S`` KV heads, head after head,
+    scaled; row ``i`` of a head sits at ``t - n + i`` and reads keys up to it. Returns (B, S, G * n, t).
+    """
+    tail, start = rows.shape[2] // group, keys.shape[2]
+    scores = torch.matmul(rows, keys.transpose(-1, -2))
+    future = torch.ones(tail, tail, dtype=torch.bool, device=rows.device).triu(1)
+    scores.view(*scores.shape[:2], group, tail, start)[..., start - tail:].masked_fill_(future, float("-inf"))
+    return torch.softmax(scores, dim=-1)
+
+
+def kept_part(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+              valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept keys' part of the rows' softmax: output (B, S, R, D) and log-sum-exp (B, S, R)
+    (``-inf`` where a KV head holds no valid key) of ``rows`` (B, S, R, D), scaled, over ``keys``
+    and ``values`` (B, S, K, D) of which ``valid`` (B, S, K) are read."""
+    part = torch.matmul(rows, keys.transpose(-1, -2)).masked_fill(~valid[:, :, None, :], float("-inf"))
+    lse = torch.logsumexp(part, dim=-1)
+    return torch.matmul(torch.exp(part - lse[..., None]).nan_to_num(0.0), values), lse
+
+
 def compiled_rolling_prefill(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -392,10 +416,7 @@ def compiled_rolling_prefill(
         # The previous block's last rows score every earlier key (grouped: no copy of the keys);
         # only their last ``tail`` columns can lie in a row's future.
         rows = q_short[:, :, :, start - tail:start].reshape(batch, groups, group * tail, dim)
-        scores = torch.matmul(rows, k_short[:, :, :start].transpose(-1, -2))
-        future = torch.ones(tail, tail, dtype=torch.bool, device=query.device).triu(1)
-        scores.view(batch, groups, group, tail, start)[..., start - tail:].masked_fill_(future, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        probs = scoring_probabilities(rows, k_short[:, :, :start], group)
         probs[..., :sinks] = 0.0  # the sinks lend no score to their neighbours
         eligible = (pos[None, :start] >= sinks) & (pos[None, :start] <= start - limit)  # (S, start)
         positions, valid = choose_kept(probs.view(batch, groups * group, tail, start), groups,
@@ -403,10 +424,7 @@ def compiled_rolling_prefill(
         # The block's rows read those keys: one more part of their softmax.
         index = positions.clamp_min(0)[..., None].expand(-1, -1, -1, dim)
         block_rows = q_short[:, :, :, start:stop].reshape(batch, groups, group * (stop - start), dim)
-        part = torch.matmul(block_rows, k_short.gather(2, index).transpose(-1, -2))
-        part = part.masked_fill(~valid[:, :, None, :], float("-inf"))
-        part_lse = torch.logsumexp(part, dim=-1)  # -inf where a KV head has no kept key yet
-        part_out = torch.matmul(torch.exp(part - part_lse[..., None]).nan_to_num(0.0), v_short.gather(2, index))
+        part_out, part_lse = kept_part(block_rows, k_short.gather(2, index), v_short.gather(2, index), valid)
         span = slice(start - first_block, stop - first_block)
         kept_out[:, :, :, span] = part_out.view(batch, groups, group, stop - start, dim)
         kept_lse[:, :, :, span] = part_lse.view(batch, groups, group, stop - start)
@@ -547,9 +565,10 @@ def executed_read_coverage(
     in the KV groups whose windows leave keys behind, each row from the second block on also reads
     its block's kept keys (:func:`rolling_coverage_pairs`, the tail's rows included) and, before
     each block, the previous block's last ``tail_tokens`` rows read every earlier key to score them.
-    ``padded``: the prompt came with an attention mask, so those groups' rows from the second block
-    on were read by the windowed pass first (:func:`rolling_kept_attention`); an unpadded prompt
-    reads them once (:func:`rolling_prefill`). Without ``kept`` this is the causal coverage. Pairs
+    ``padded``: the prompt took the two-pass route (a mask that is not plain padding, or gradients
+    or a device the compiled pass does not serve), so those groups' rows from the second block on
+    were read by the windowed pass first (:func:`rolling_kept_attention`); the compiled pass
+    (:func:`compiled_rolling_prefill`, plainly padded rows too) and :func:`rolling_prefill` read them once. Without ``kept`` this is the causal coverage. Pairs
     follow the window rule; a backend's tiles may compute more (:func:`aah.backends.executed_coverage`).
     """
 
