@@ -830,3 +830,19 @@ def test_duo_calibrate_command_errors_are_one_line(tiny_model_dir, capsys):
         [*duo, "--budget", "0.5", "--duo-window", "8", "--retrieval-sequences", "0"], capsys)
     assert "--retrieval-reserve needs --policy budgeted --measure kl_retrieval" in _error(
         [*duo, "--budget", "0.5", "--duo-window", "8", "--retrieval-reserve", "0.1"], capsys)
+
+
+def test_eval_without_the_uniform_setting(tiny_model_dir, tmp_path):
+    """--no-uniform: full and aah alone, the same keys otherwise (the summary without uniform's)."""
+    model_dir, corpus = tiny_model_dir
+    path = tmp_path / "w.safetensors"
+    save_windows(path, torch.tensor([[8, 8, 16, 16], [4, 4, 8, 8]]),
+                 {"model": model_signature(_llama()), "seq_len": 64, "policy": "uniform", "budget": 0.5,
+                  "sink_tokens": 2, "acr": 0.1, "causal_coverage": 0.1})
+    out = tmp_path / "e.json"
+    assert main(["hf", "eval", str(model_dir), "--windows-file", str(path), "--corpus", str(corpus), "--seq-len", "64",
+                 "--batches", "1", "--decode-batch", "2", "--new-tokens", "3", "--rounds", "1", "--no-uniform",
+                 "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert "uniform" not in report and {"full", "aah", "prefill_speedup", "decode_speedup"} <= set(report)
+    assert report["config"]["uniform_window"] is None and "aah_vs_uniform_ppl_ratio" not in report

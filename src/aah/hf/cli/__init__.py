@@ -103,6 +103,9 @@ def add_commands(subparsers) -> None:
     add_decode_batch(evaluate)
     add_new_tokens(evaluate)
     evaluate.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (default 3)")
+    evaluate.add_argument("--no-uniform", action="store_true",
+                          help="leave out the uniform setting (full and aah only; its prefill of the decode "
+                               "prompts costs as much as aah's)")
     add_json(evaluate)
     add_setting_flags(evaluate)
     evaluate.set_defaults(func=evaluate_command)

@@ -40,7 +40,9 @@ def evaluate_command(args: argparse.Namespace) -> int:
     blocks = token_blocks_of(tokenizer, args.corpus, "val", args.seq_len, args.batches)
     model = load_model()
     aah = Setting("aah", windows, int(meta["sink_tokens"]) if sink_tokens is None else sink_tokens, kept)
-    settings = [Setting("full", None), aah, uniform_setting(model, aah, args.seq_len)]
+    settings = [Setting("full", None), aah]
+    if not args.no_uniform:
+        settings.append(uniform_setting(model, aah, args.seq_len))
     results = evaluate_settings(
         model, settings, blocks, decode_batch=args.decode_batch, new_tokens=args.new_tokens, rounds=args.rounds
     )
@@ -49,7 +51,7 @@ def evaluate_command(args: argparse.Namespace) -> int:
             "model": meta["model"], "seq_len": args.seq_len, "corpus": args.corpus, "batches": args.batches,
             "decode_batch": args.decode_batch, "new_tokens": args.new_tokens, "rounds": args.rounds,
             "windows_file": args.windows_file, "policy": meta["policy"], "sink_tokens": aah.sink_tokens,
-            "uniform_window": int(settings[2].windows[0, 0]),
+            "uniform_window": None if args.no_uniform else int(settings[2].windows[0, 0]),
             **kept_keys_config(kept),
         },
         **results,
