@@ -161,7 +161,8 @@ def attend_without_cache(
         if backend_takes_sinks(spec.backend, spec.windows, q_len, sinks):
             return attend(query, key, value, spec.windows, backend=spec.backend, scale=scaling, sink_tokens=sinks)
     visible = visible_keys(q_len, kv_len, attention_mask, query.device, documents)
-    spans = padded_spans(visible) if q_len == kv_len and documents is None and not dropout else None
+    plain_padding = attention_mask is not None and q_len == kv_len and documents is None and not dropout
+    spans = padded_spans(visible) if plain_padding else None
     if spans is not None:
         return by_rows(spans, query, lambda rows, span: attend_without_cache(
             query[rows, :, span], key[rows, :, span], value[rows, :, span], None, scaling, spec))
