@@ -595,13 +595,20 @@ def test_kl_retrieval_is_the_knapsack_over_kl_plus_weighted_answer_loss(tiny_mod
         calibrate(model, batches, policy="budgeted", budget=0.5, measure="kl_retrieval")
 
 
-@pytest.mark.slow
-def test_calibrate_command_with_kl_retrieval(tiny_model_dir, tmp_path, capsys):
-    model_dir, corpus = tiny_model_dir
-    _sequences(_bpe_tokenizer(model_dir), 320, 1)  # skips without the bible corpus
+def _retrieval_model(model_dir, tmp_path):
+    """A model folder long enough for 320-token retrieval sequences, with the BPE tokenizer
+    (skips without the bible corpus the sequences are cut from)."""
+    _sequences(_bpe_tokenizer(model_dir), 320, 1)
     big = tmp_path / "model"
     _llama(max_pos=512).save_pretrained(big)
     _bpe_tokenizer(model_dir).save_pretrained(big)
+    return big
+
+
+@pytest.mark.slow
+def test_calibrate_command_with_kl_retrieval(tiny_model_dir, tmp_path, capsys):
+    model_dir, corpus = tiny_model_dir
+    big = _retrieval_model(model_dir, tmp_path)
     out = tmp_path / "r.safetensors"
     base = ["hf", "calibrate", str(big), "--corpus", str(corpus), "--seq-len", "320", "--policy", "budgeted",
             "--budget", "0.5", "--scope", "model", "--measure", "kl_retrieval", "--batches", "1"]
@@ -785,10 +792,7 @@ def test_duo_calibration_is_the_ranking_of_the_measured_answer_loss(tiny_model_d
 @pytest.mark.slow
 def test_duo_calibrate_command_records_the_window_and_the_full_groups(tiny_model_dir, tmp_path, capsys):
     model_dir, corpus = tiny_model_dir
-    _sequences(_bpe_tokenizer(model_dir), 320, 1)  # skips without the bible corpus
-    big = tmp_path / "model"
-    _llama(max_pos=512).save_pretrained(big)
-    _bpe_tokenizer(model_dir).save_pretrained(big)
+    big = _retrieval_model(model_dir, tmp_path)
     out = tmp_path / "duo.safetensors"
     assert main(["hf", "calibrate", str(big), "--corpus", str(corpus), "--seq-len", "320", "--policy", "duo",
                  "--budget", "0.65", "--duo-window", "32", "--sink-tokens", "2", "--retrieval-sequences", "1",

@@ -184,8 +184,8 @@ class KeptStore:
     def slots(self):
         """The kept keys as the compiled decode steps read them (:class:`aah.decode.ring_decode.KeptSlots`):
         the buffers themselves, each KV head a run of its group's ``K`` slots."""
-        start, count, offset = [0] * sum(len(g.kv_heads) for g in self.groups), [], 0
-        count = list(start)
+        kv_heads = sum(len(g.kv_heads) for g in self.groups)
+        start, count, offset = [0] * kv_heads, [0] * kv_heads, 0
         for g in self.groups:
             width = g.valid.shape[2]
             for i, head in enumerate(g.kv_heads):

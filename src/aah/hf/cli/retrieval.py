@@ -145,10 +145,10 @@ def _retrieval(args: argparse.Namespace) -> int:
             override += f"|tail{kept.tail_tokens}|kept{kept.keys_per_head}|pool{kept.pool_width}".encode()
             if kept.prefill_keys:
                 override += f"|roll{kept.prefill_keys}/{kept.prefill_block}".encode()
-        windows_tag = hashlib.sha256(Path(args.windows_file).read_bytes() + override).hexdigest()[:16]
+        windows_bytes = Path(args.windows_file).read_bytes()
+        windows_tag = hashlib.sha256(windows_bytes + override).hexdigest()[:16]
         # The baselines read no kept keys: their answers depend on their windows and sinks only.
-        setting_tags = {"windows": hashlib.sha256(Path(args.windows_file).read_bytes()
-                                                  + f"|sinks{sinks}".encode()).hexdigest()[:16]}
+        setting_tags = {"windows": hashlib.sha256(windows_bytes + f"|sinks{sinks}".encode()).hexdigest()[:16]}
         if duo is not None:
             setting_tags["duo"] = hashlib.sha256(Path(args.duo_file).read_bytes()).hexdigest()[:16]
         journal = AnswerJournal(args.answers, model_tag, windows_tag, setting_tags)
