@@ -328,6 +328,11 @@ def test_calibrate_then_eval_end_to_end(tiny_model_dir, tmp_path, capsys):
         assert report[key] > 0
     assert report["ppl_ratio"] == pytest.approx(report["aah"]["ppl"] / report["full"]["ppl"])
     assert len(report["aah"]["block_nll"]) == 1 and report["ppl_ratio_ci"] is None  # one block: no interval
+    for name in ("full", "aah", "uniform"):  # no kept keys: the cached prefill predicts what the windows do
+        assert report[name]["served_ppl"] == pytest.approx(report[name]["ppl"], rel=1e-5)
+        assert len(report[name]["served_block_nll"]) == 1
+    assert report["served_ppl_ratio"] == pytest.approx(report["aah"]["served_ppl"] / report["full"]["served_ppl"])
+    assert report["served_ppl_ratio_ci"] is None
     assert report["aah_vs_uniform_ppl_ratio"] == pytest.approx(report["aah"]["ppl"] / report["uniform"]["ppl"])
     assert report["full"]["causal_coverage"] == report["full"]["executed_coverage"] == 1.0
     assert report["uniform"]["causal_coverage"] <= report["aah"]["causal_coverage"] + 1e-12
@@ -336,7 +341,8 @@ def test_calibrate_then_eval_end_to_end(tiny_model_dir, tmp_path, capsys):
     assert report["aah"]["kv_bytes"] == 2 * 2 * slots * 8 * 4
     assert report["full"]["kv_bytes"] == 2 * 2 * 2 * 2 * (64 - 3) * 8 * 4
     out = capsys.readouterr().out
-    assert "| aah |" in out and "executed coverage |" in out
+    assert "| aah |" in out and "executed coverage |" in out and "| served perplexity |" in out
+    assert "served ppl ratio" in out
 
 
 def test_eval_takes_sink_tokens_and_kept_keys(tiny_model_dir, tmp_path, capsys):
@@ -376,6 +382,10 @@ def test_eval_takes_sink_tokens_and_kept_keys(tiny_model_dir, tmp_path, capsys):
     compiled = ring_decode.unavailable_reason() is None  # kept keys read beside the rings in the whole-layer step
     assert kept["aah"]["decode_route"] == kept["uniform"]["decode_route"] == ("compiled block" if compiled else "masked")
     assert kept["aah"]["ppl"] == pytest.approx(plain["aah"]["ppl"])  # the perplexity reads the windows alone
+    # The served perplexity reads the blocks through each setting's cache: the tail rows read every key.
+    assert plain["aah"]["served_ppl"] == pytest.approx(plain["aah"]["ppl"], rel=1e-5)
+    assert abs(kept["aah"]["served_ppl"] - kept["aah"]["ppl"]) > 1e-4 * kept["aah"]["ppl"]
+    assert kept["full"]["served_ppl"] == pytest.approx(kept["full"]["ppl"], rel=1e-5)
     assert "kept keys count in ACR" in capsys.readouterr().out
     assert "--kept-pool must be odd" in _error([*base, "--tail-tokens", "4", "--kept-keys", "6", "--kept-pool", "2"],
                                                capsys)
@@ -464,12 +474,20 @@ def test_candidates_are_validated(bad):
 def test_perplexity_ratios_come_with_intervals_paired_by_block():
     from aah.hf.evaluation.compare import ppl_ratio_interval, summary
 
-    def setting(nll):
+    def setting(nll, served=None):
+        served = nll if served is None else served
         return {"ppl": math.exp(sum(nll) / len(nll)), "block_nll": nll, "prefill_tok_s": 1.0,
-                "decode_tok_s": 1.0, "kv_bytes": 1}
+                "decode_tok_s": 1.0, "kv_bytes": 1, "served_ppl": math.exp(sum(served) / len(served)),
+                "served_block_nll": served}
 
-    results = {"full": setting([2.0, 2.2, 2.4]), "aah": setting([2.05, 2.27, 2.42]), "uniform": setting([2.1, 2.3, 2.5])}
+    results = {"full": setting([2.0, 2.2, 2.4]), "aah": setting([2.05, 2.27, 2.42], served=[2.0, 2.25, 2.4]),
+               "uniform": setting([2.1, 2.3, 2.5])}
     out = summary(results)
+    # Served: differences 0.0, 0.05, 0.0 from full's: mean 0.016667, sd 0.028868.
+    served_half = 4.302653 * 0.028868 / math.sqrt(3)
+    assert out["served_ppl_ratio"] == pytest.approx(math.exp(0.016667), rel=1e-5)
+    assert out["served_ppl_ratio_ci"] == pytest.approx(
+        [math.exp(0.016667 - served_half), math.exp(0.016667 + served_half)], rel=1e-4)
     # Differences 0.05, 0.07, 0.02: mean 0.0467, sd 0.0252, t(0.975, 2) = 4.3027.
     half = 4.302653 * 0.025166 / math.sqrt(3)
     assert out["ppl_ratio"] == pytest.approx(math.exp(0.046667), rel=1e-5)

@@ -1,5 +1,5 @@
-"""``aah hf eval``: perplexity, prefill/decode speed and KV bytes of full attention, the windows
-of a file and one uniform window at the same causal coverage."""
+"""``aah hf eval``: perplexity, served perplexity, prefill/decode speed and KV bytes of full attention,
+the windows of a file and one uniform window at the same causal coverage."""
 
 from __future__ import annotations
 
@@ -60,12 +60,13 @@ def evaluate_command(args: argparse.Namespace) -> int:
     if args.json != "-":
         print(markdown_table(results))
         print(
-            f"ppl ratio {report['ppl_ratio']:.4f}, prefill x{report['prefill_speedup']:.2f}, "
+            f"ppl ratio {report['ppl_ratio']:.4f}, served ppl ratio {report['served_ppl_ratio']:.4f}, "
+            f"prefill x{report['prefill_speedup']:.2f}, "
             f"decode x{report['decode_speedup']:.2f} (batch {args.decode_batch}), "
             f"KV bytes ratio {report['kv_bytes_ratio']:.3f} (ACR {results['aah']['acr']:.3f})"
         )
         if kept is not None:
-            print("kept keys count in ACR, KV bytes and speeds; the perplexity reads each block without a cache "
-                  "(the windows alone)")
+            print("kept keys count in ACR, KV bytes, speeds and the served perplexity (each block prefilled into "
+                  "the setting's cache); the perplexity reads each block without a cache (the windows alone)")
     write_json(args.json, report)
     return 0

@@ -7,6 +7,11 @@ dynamic cache), ``aah`` (the calibrated windows with their sinks and the window 
 * perplexity on held-out token blocks (teacher forcing over whole blocks, no cache), and
   for each ratio of perplexities a 95% interval paired by block (Student-t over the blocks'
   differences of mean log-likelihood, exponentiated), so more blocks narrow it;
+* served perplexity on the same blocks: each block prefilled in one call into a fresh cache of
+  the setting, as a user serving it reads a prompt (kept keys included: the prefill's tail rows
+  read every key, and with rolling kept keys each block of ``prefill_block`` rows reads the far
+  keys chosen for it), the next-token loss taken from that prefill's hidden states through the
+  LM head a chunk of rows at a time (:func:`served_block_nll`);
 * prefill tokens/s: one block through the model with a fresh cache, the logits of its last
   position only (``logits_to_keep=1``, as ``generate`` prefills);
 * decode tokens/s: greedy steps at ``decode_batch`` after a prompt of ``seq_len - new_tokens``
@@ -44,7 +49,13 @@ from ..bridge.spec import (
     uniform_window_for_budget,
 )
 
-__all__ = ["Setting", "evaluate_settings", "last_logits", "markdown_table", "perplexity", "summary", "uniform_setting"]
+__all__ = [
+    "Setting", "evaluate_settings", "head_logits", "last_logits", "markdown_table", "perplexity", "served_block_nll",
+    "summary", "uniform_setting",
+]
+
+#: Rows of a block whose logits :func:`served_block_nll` computes at once by default.
+SERVED_CHUNK_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -111,6 +122,87 @@ def last_logits(model, ids: torch.Tensor, cache) -> torch.Tensor:
     return model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
 
 
+def _base_model(model) -> torch.nn.Module:
+    """The module whose output's first field is the hidden states the model's LM head reads:
+    its base model (``LlamaModel`` of a ``LlamaForCausalLM``)."""
+    decoder = model.base_model
+    if decoder is model:
+        raise ValueError(f"{type(model).__name__} has no base model apart from its LM head: no served perplexity")
+    return decoder
+
+
+def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    """Float logits of final hidden states ``hidden`` (..., hidden size), as the causal-LM forwards of
+    transformers compute them from their base model's output: the LM head, then where the config
+    asks for it Gemma's ``final_logit_softcapping`` (``cap * tanh(logits / cap)``), Cohere's
+    ``logit_scale`` (a product) or Granite's ``logits_scaling`` (a quotient).
+    :func:`served_block_nll` checks the result against the model's own logits of each block's
+    last position."""
+    logits = model.get_output_embeddings()(hidden).float()
+    config = model.config.get_text_config()
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    scale = getattr(config, "logit_scale", None)
+    if isinstance(scale, (int, float)):
+        logits = logits * scale
+    divisor = getattr(config, "logits_scaling", None)
+    if isinstance(divisor, (int, float)):
+        logits = logits / divisor
+    return logits
+
+
+def _check_head(model, computed: torch.Tensor, own: torch.Tensor) -> None:
+    """``ValueError`` unless ``computed`` (:func:`head_logits` of a position) are the model's ``own``
+    logits of that position, within the rounding of the model's dtype."""
+    tol = max(1e-4, 4 * torch.finfo(own.dtype).eps)
+    own = own.float()
+    error = (computed - own).abs().max().item()
+    if not error <= tol * (1.0 + own.abs().max().item()):
+        raise ValueError(
+            f"{type(model).__name__} computes its logits otherwise than its LM head followed by the final "
+            f"transforms served perplexity applies (largest difference {error:.3g}); no served perplexity for it"
+        )
+
+
+@torch.no_grad()
+def served_block_nll(
+    model, setting: Setting, blocks: torch.Tensor, *, chunk_rows: int = SERVED_CHUNK_ROWS, desc: str | None = None
+) -> list[float]:
+    """Mean next-token negative log-likelihood of each block (B, T) as ``setting`` serves it.
+
+    ``model`` runs ``setting`` (:meth:`Setting.apply`). Each block is prefilled in one call into a
+    fresh :meth:`Setting.new_cache`, through the model's own forward with the logits of the last
+    position only; the base model's final hidden states of every position are kept from that call,
+    and the LM head (:func:`head_logits`) reads them ``chunk_rows`` rows at a time, so no more than
+    ``chunk_rows`` rows of logits exist at once. The loss is that of ``block_nll``: every position
+    but the last predicts the next token. The head's logits of the last position must equal those
+    the model's forward returned for it (``ValueError`` otherwise: a model whose forward transforms
+    its logits in a way :func:`head_logits` does not know)."""
+    if not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be an integer >= 1, got {chunk_rows!r}")
+    captured: list[torch.Tensor] = []
+    handle = _base_model(model).register_forward_hook(lambda module, args, output: captured.append(output[0]))
+    out = []
+    try:
+        for block in tqdm(blocks, desc=desc, disable=desc is None, leave=False):
+            ids = block[None].to(model.device)
+            captured.clear()
+            own_last = last_logits(model, ids, setting.new_cache(model))
+            hidden = captured[-1]
+            _check_head(model, head_logits(model, hidden[:, -1]), own_last)
+            predicted = ids.shape[1] - 1
+            total = 0.0
+            for start in range(0, predicted, chunk_rows):
+                stop = min(predicted, start + chunk_rows)
+                logits = head_logits(model, hidden[0, start:stop])
+                total += F.cross_entropy(logits, ids[0, start + 1:stop + 1], reduction="sum").item()
+            out.append(total / predicted)
+    finally:
+        handle.remove()
+    return out
+
+
 @torch.no_grad()
 def evaluate_settings(
     model,
@@ -121,11 +213,13 @@ def evaluate_settings(
     new_tokens: int = 16,
     rounds: int = 3,
     progress: bool = True,
+    served_chunk: int = SERVED_CHUNK_ROWS,
 ) -> dict[str, dict]:
-    """Per-setting ``ppl``, ``prefill_tok_s``, ``decode_tok_s``, ``decode_route``, ``kv_bytes``, ``acr``,
-    ``causal_coverage``, ``executed_coverage``. A setting's kept keys (:mod:`aah.hf.bridge.kept_keys`)
-    count in its coverage figures, timings and KV bytes; its perplexity reads the blocks without a
-    cache, so with the windows alone."""
+    """Per-setting ``ppl``, ``block_nll``, ``served_ppl``, ``served_block_nll``, ``prefill_tok_s``,
+    ``decode_tok_s``, ``decode_route``, ``kv_bytes``, ``acr``, ``causal_coverage``, ``executed_coverage``.
+    A setting's kept keys (:mod:`aah.hf.bridge.kept_keys`) count in its coverage figures, timings, KV
+    bytes and served perplexity (:func:`served_block_nll`, ``served_chunk`` rows of logits at a time);
+    its perplexity ``ppl`` reads the blocks without a cache, so with the windows alone."""
     seq_len = blocks.shape[1]
     if new_tokens < 1 or new_tokens >= seq_len:
         raise ValueError(f"new_tokens must be in [1, {seq_len - 1}], got {new_tokens}")
@@ -133,7 +227,10 @@ def evaluate_settings(
     for setting in settings:
         setting.apply(model)
         nll = block_nll(model, blocks, desc=f"perplexity {setting.name}" if progress else None)
-        results[setting.name] = {"ppl": nll_perplexity(nll), "block_nll": nll}
+        served = served_block_nll(model, setting, blocks, chunk_rows=served_chunk,
+                                  desc=f"served perplexity {setting.name}" if progress else None)
+        results[setting.name] = {"ppl": nll_perplexity(nll), "block_nll": nll,
+                                 "served_ppl": nll_perplexity(served), "served_block_nll": served}
         results[setting.name].update(setting_coverage(model, setting, seq_len))
 
     prompt = blocks[:1].to(model.device)
@@ -208,12 +305,15 @@ def summary(results: dict[str, dict]) -> dict:
     """The top-level ratios of ``aah`` against ``full`` (and ``uniform``'s perplexity ratio).
 
     Perplexity ratios come with a 95% interval paired by held-out block (``*_ci``, ``None``
-    with one block); ``aah_vs_uniform_ppl_ratio`` compares the two windowed settings.
+    with one block); ``served_ppl_ratio`` is that of the served perplexities;
+    ``aah_vs_uniform_ppl_ratio`` compares the two windowed settings.
     """
     full, aah = results["full"], results["aah"]
     out = {
         "ppl_ratio": aah["ppl"] / full["ppl"],
         "ppl_ratio_ci": ppl_ratio_interval(aah["block_nll"], full["block_nll"]),
+        "served_ppl_ratio": aah["served_ppl"] / full["served_ppl"],
+        "served_ppl_ratio_ci": ppl_ratio_interval(aah["served_block_nll"], full["served_block_nll"]),
         "prefill_speedup": aah["prefill_tok_s"] / full["prefill_tok_s"],
         "decode_speedup": aah["decode_tok_s"] / full["decode_tok_s"],
         "kv_bytes_ratio": aah["kv_bytes"] / full["kv_bytes"],
@@ -228,18 +328,23 @@ def summary(results: dict[str, dict]) -> dict:
 
 
 def markdown_table(results: dict[str, dict]) -> str:
-    """A markdown table, one row per setting."""
+    """A markdown table, one row per setting: its perplexity and served perplexity, each with its
+    ratio to ``full``'s and the 95% interval paired by block, then speeds, KV bytes and coverage."""
     lines = [
-        "| setting | perplexity | ppl / full (95% CI) | prefill tok/s | decode tok/s | decode route | KV MB | ACR "
-        "| causal coverage | executed coverage |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| setting | perplexity | ppl / full (95% CI) | served perplexity | served / full (95% CI) | prefill tok/s "
+        "| decode tok/s | decode route | KV MB | ACR | causal coverage | executed coverage |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     full = results["full"]
+
+    def ratio(r: dict, ppl: str, nll: str, name: str) -> str:
+        ci = ppl_ratio_interval(r[nll], full[nll]) if name != "full" else None
+        return f"{r[ppl] / full[ppl]:.4f}" + (f" [{ci[0]:.4f}, {ci[1]:.4f}]" if ci else "")
+
     for name, r in results.items():
-        ci = ppl_ratio_interval(r["block_nll"], full["block_nll"]) if name != "full" else None
-        ratio = f"{r['ppl'] / full['ppl']:.4f}" + (f" [{ci[0]:.4f}, {ci[1]:.4f}]" if ci else "")
         lines.append(
-            f"| {name} | {r['ppl']:.3f} | {ratio} | {r['prefill_tok_s']:.1f} | "
+            f"| {name} | {r['ppl']:.3f} | {ratio(r, 'ppl', 'block_nll', name)} | {r['served_ppl']:.3f} | "
+            f"{ratio(r, 'served_ppl', 'served_block_nll', name)} | {r['prefill_tok_s']:.1f} | "
             f"{r['decode_tok_s']:.1f} | {r['decode_route']} | {r['kv_bytes'] / 1e6:.1f} | {r['acr']:.3f} | {r['causal_coverage']:.3f} | "
             f"{r['executed_coverage']:.3f} |"
         )
