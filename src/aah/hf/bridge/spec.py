@@ -74,7 +74,8 @@ def layer_sliding_windows(model: torch.nn.Module) -> list[int | None]:
 
 
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The self-attention modules of ``model`` in layer order (modules with ``layer_idx`` and ``q_proj``)."""
+    """The self-attention modules of ``model`` in layer order (modules with ``layer_idx`` and ``q_proj``);
+    ``ValueError`` for a model whose attention is not causal (Gemma 3's ``use_bidirectional_attention``)."""
     found: dict[int, torch.nn.Module] = {}
     for module in model.modules():
         idx = getattr(module, "layer_idx", None)
@@ -89,6 +90,11 @@ def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
         )
     if sorted(found) != list(range(len(found))):
         raise ValueError(f"attention layers are not numbered 0..L-1: {sorted(found)}")
+    if any(getattr(module, "is_causal", True) is False for module in found.values()):
+        raise ValueError(
+            f"{type(model).__name__} attends bidirectionally (e.g. use_bidirectional_attention=True); "
+            "aah.hf windows are causal"
+        )
     return [found[i] for i in range(len(found))]
 
 
