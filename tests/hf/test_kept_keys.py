@@ -323,6 +323,26 @@ def test_a_padded_batch_takes_the_compiled_rolling_route_one_row_at_a_time(llama
     assert calls == [(1, 4, 22, 8), (1, 4, 17, 8)] * 2  # two layers, two rows each (head dim 8)
 
 
+@pytest.mark.parametrize("empty", [(), ((0, 1, 2),), ((1, 0, 0), (1, 0, 3), (1, 0, 1), (1, 0, 2))],
+                         ids=["every_key_read", "one_key_unread", "a_head_with_no_key"])
+def test_kept_part_is_the_softmax_share_of_the_kept_keys(empty):
+    """The kept keys' part (fused kernel when every key is read, masked otherwise) against float64:
+    output and log-sum-exp of the rows' scores over the valid keys only."""
+    from aah.hf.bridge.kept_keys import kept_part
+
+    torch.manual_seed(3)
+    rows, keys, values = torch.randn(2, 3, 10, 8), torch.randn(2, 3, 4, 8), torch.randn(2, 3, 4, 8)
+    valid = torch.ones(2, 3, 4, dtype=torch.bool)
+    for where in empty:
+        valid[where] = False
+    out, lse = kept_part(rows, keys, values, valid)
+    scores = (rows.double() @ keys.double().transpose(-1, -2)).masked_fill(~valid[:, :, None], float("-inf"))
+    expected_lse = torch.logsumexp(scores, -1)
+    expected = (torch.softmax(scores, -1).nan_to_num(0.0) @ values.double()).float()
+    torch.testing.assert_close(lse.double(), expected_lse, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("windows, sinks, length, kept", [
     ((3, 3, 20, 20, 2, 5), 1, 20, KeptKeys(3, 4, 3, prefill_keys=2, prefill_block=6)),
     ((4, 4, 7, 7, 2, 2), 2, 29, KeptKeys(4, 3, 1, prefill_keys=3, prefill_block=7)),

@@ -71,12 +71,40 @@ def merge_sinks(
     dtype of ``lse_w``. Every row sees key 0 in its window or its sinks, so both
     stay finite.
     """
+    if _fusable(q_tail, k_sink, out_w):
+        out_s, lse_s = _fused_sink_part(q_tail, k_sink, v_sink, scale)
+        lse = torch.logaddexp(lse_w.to(lse_s.dtype), lse_s)
+        # O = e^(L_s - L) O_s + e^(L_w - L) O_w, in the fused kernel's own output buffer.
+        out = out_s.mul_(torch.exp(lse_s - lse).to(out_s.dtype)[..., None])
+        out.addcmul_(out_w, torch.exp(lse_w.to(lse.dtype) - lse).to(out.dtype)[..., None])
+        return out, lse.to(lse_w.dtype)
     scores = _sink_scores(q_tail, k_sink, scale, window)
     lse_s = torch.logsumexp(scores, dim=-1)
     lse = torch.logaddexp(lse_w.to(lse_s.dtype), lse_s)
     out_s = torch.matmul(torch.exp(scores - lse[..., None]), v_sink.to(scores.dtype))
     out = out_w.to(scores.dtype) * torch.exp(lse_w.to(lse.dtype) - lse)[..., None] + out_s
     return out.to(out_w.dtype), lse.to(lse_w.dtype)
+
+
+def _fusable(q_tail: torch.Tensor, k_sink: torch.Tensor, out_w: torch.Tensor) -> bool:
+    """Whether the sink part can run through PyTorch's fused CPU kernel: (N, R, D) rows over
+    (N, S', D) sinks, in float32 or float64 (half precision keeps the float32 merge below)."""
+    return (q_tail.device.type == "cpu" and q_tail.dim() == 3 and k_sink.shape[:-2] == q_tail.shape[:-2]
+            and q_tail.dtype == k_sink.dtype == out_w.dtype and q_tail.dtype in (torch.float32, torch.float64))
+
+
+def _fused_sink_part(q_tail, k_sink, v_sink, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sink part's output (N, R, D) and log-sum-exp (N, R) through the fused CPU kernel.
+
+    Row ``r`` is query ``W + r``, which misses sink ``j`` when ``j <= r`` (:func:`cut_off` with
+    the window's own ``W``), so one additive mask (R, S') serves every window."""
+    rows, sinks = q_tail.shape[-2], k_sink.shape[-2]
+    ahead = torch.ones(rows, sinks, dtype=torch.bool, device=q_tail.device).triu_(1)
+    mask = torch.zeros(rows, sinks, dtype=q_tail.dtype, device=q_tail.device).masked_fill_(ahead, float("-inf"))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q_tail[None], k_sink[None], v_sink[None], 0.0, False, attn_mask=mask[None, None], scale=scale,
+    )
+    return out[0], lse[0].to(q_tail.dtype)
 
 
 def sink_backward(

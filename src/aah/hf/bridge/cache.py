@@ -374,7 +374,8 @@ class WindowCacheLayer(_transformers_cache.CacheLayerMixin):
         (:mod:`aah.hf.bridge.kept_keys`). Returns ``out`` with those rows replaced."""
         length = keys.shape[2]
         tail = min(self.kept_keys.tail_tokens, query.shape[2])
-        visible = visible_keys(query.shape[2], length, attention_mask, query.device)[:, :, -tail:]
+        rows = None if attention_mask is None else attention_mask[:, :, -tail:]
+        visible = visible_keys(tail, length, rows, query.device)  # (B or 1, 1, tail, T): the tail rows only
         if spec.layer_window is not None:
             qpos = torch.arange(length - tail, length, device=query.device)[:, None]
             visible = visible & window_rule(qpos, torch.arange(length, device=query.device)[None, :], spec.layer_window)

@@ -231,12 +231,15 @@ def tail_attention(
     Returns the output (B, H, n, D_v) in the query's dtype and the probabilities (B, H, n, T)
     in float32.
     """
-    repeat = query.shape[1] // key.shape[1]
-    k = key.float().repeat_interleave(repeat, dim=1)
-    v = value.float().repeat_interleave(repeat, dim=1)
-    scores = torch.matmul(query.float(), k.transpose(-1, -2)) * scale
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
-    return torch.matmul(probs, v).to(query.dtype), probs
+    batch, heads, rows, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    # The query heads of one KV head read it as one stack of rows: no copy of the keys per head.
+    stacked = query.float().reshape(batch, kv_heads, heads // kv_heads * rows, dim)
+    scores = torch.matmul(stacked, key.float().transpose(-1, -2)).view(batch, heads, rows, length)
+    scores.mul_(scale).masked_fill_(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
+    out = torch.matmul(probs.view(batch, kv_heads, -1, length), value.float())
+    return out.view(batch, heads, rows, -1).to(query.dtype), probs
 
 
 def choose_kept(
@@ -368,6 +371,10 @@ def kept_part(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     """The kept keys' part of the rows' softmax: output (B, S, R, D) and log-sum-exp (B, S, R)
     (``-inf`` where a KV head holds no valid key) of ``rows`` (B, S, R, D), scaled, over ``keys``
     and ``values`` (B, S, K, D) of which ``valid`` (B, S, K) are read."""
+    if rows.device.type == "cpu" and bool(valid.all()):  # every key read: one fused kernel call
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(rows, keys, values, 0.0, False,
+                                                                             scale=1.0)
+        return out, lse
     part = torch.matmul(rows, keys.transpose(-1, -2)).masked_fill(~valid[:, :, None, :], float("-inf"))
     lse = torch.logsumexp(part, dim=-1)
     return torch.matmul(torch.exp(part - lse[..., None]).nan_to_num(0.0), values), lse
@@ -405,7 +412,9 @@ def compiled_rolling_prefill(
     sinks = min(sink_tokens, length)
     pos = torch.arange(length, device=query.device)
     limit = torch.tensor([reach[g] for g in short], device=query.device)[:, None]  # (S, 1)
-    # The short groups' queries (scaled once), keys and values: (B, S, G, T, D) and (B, S, T, D).
+    # The short groups (a slice where they are consecutive: views, not copies), their queries
+    # (scaled once), keys and values: (B, S, G, T, D) and (B, S, T, D).
+    short = slice(short[0], short[-1] + 1) if short == list(range(short[0], short[-1] + 1)) else short
     q_short = query.view(batch, kv_heads, group, length, dim)[:, short].float() * scale
     k_short, v_short = key[:, short].float(), value[:, short].float()
     kept_out = q_short.new_zeros(batch, groups, group, length - first_block, dim)
@@ -430,11 +439,15 @@ def compiled_rolling_prefill(
         kept_lse[:, :, :, span] = part_lse.view(batch, groups, group, stop - start)
     # Every row from the second block on: its window's part and its kept keys' part, joined.
     out_groups = out.view(batch, kv_heads, group, length, dim)
-    window_out = out_groups[:, short, :, first_block:].float()
     window_lse = lse.view(batch, kv_heads, group, length)[:, short, :, first_block:]
     joined = torch.logaddexp(window_lse, kept_lse)
-    merged = window_out * torch.exp(window_lse - joined)[..., None] + kept_out * torch.exp(kept_lse - joined)[..., None]
-    out_groups[:, short, :, first_block:] = merged.to(out.dtype)
+    kept_out.mul_(torch.exp(kept_lse - joined)[..., None])
+    window_share = torch.exp(window_lse - joined)[..., None]
+    if isinstance(short, slice) and out.dtype == torch.float32:  # in place, in the output itself
+        out_groups[:, short, :, first_block:].mul_(window_share).add_(kept_out)
+    else:
+        merged = out_groups[:, short, :, first_block:].float() * window_share + kept_out
+        out_groups[:, short, :, first_block:] = merged.to(out.dtype)
     return out
 
 
