@@ -604,7 +604,8 @@ def test_bench_command_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert bench_main([str(tmp_path), "--windows-file", str(windows)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"aah bench vllm: {windows} was calibrated for ") and "\n" not in err
+    assert err.startswith(f"aah bench vllm: windows file {windows} (named by --windows-file) was calibrated for ")
+    assert "\n" not in err
 
 
 def _bench_model(folder: Path) -> tuple[dict, Path]:

@@ -4,15 +4,15 @@ A ``vllm.general_plugins`` entry point (``aah = aah.vllm:register``) that vLLM r
 its processes. :func:`register` puts :class:`aah.vllm.backend.AAHCPUAttentionBackend` in place
 of vLLM's CPU attention backend. The windows file made by ``aah hf calibrate`` is named by the
 environment variable ``AAH_WINDOWS`` or by the key ``aah_windows`` of the model's
-``config.json``; without one, vLLM runs unchanged.
+``config.json``; without one, vLLM runs unchanged. :mod:`aah.vllm.startup` checks the windows
+file and the engine's settings in the front-end process, before vLLM starts its engine core, and
+keeps a windows file in the model folder out of vLLM's weight files.
 
 :mod:`aah.vllm.plan` (windows, sinks, tensor-parallel slices) and :mod:`aah.vllm.paged`
 (per-head windows with sinks over the paged KV cache) import no vLLM.
 """
 
 from __future__ import annotations
-
-import os
 
 from .plan import CONFIG_KEY, ENV_VAR
 
@@ -23,14 +23,12 @@ BACKEND = "aah.vllm.backend.AAHCPUAttentionBackend"
 
 
 def register() -> None:
-    """The entry point: override vLLM's CPU attention backend (refused on other platforms when
-    ``AAH_WINDOWS`` is set, since those backends would ignore the windows)."""
-    from vllm.platforms import current_platform
+    """The entry point: override vLLM's CPU attention backend, and install the start-up checks
+    (:func:`aah.vllm.startup.install`; a windows file on another platform than CPU is refused
+    there, since those backends would ignore the windows)."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    if os.environ.get(ENV_VAR, "").strip() and not current_platform.is_cpu():
-        raise RuntimeError(
-            f"aah.vllm: {ENV_VAR} is set, but AAH windows run on vLLM's CPU platform only "
-            f"(this is {current_platform.device_name or type(current_platform).__name__}); unset {ENV_VAR}"
-        )
+    from .startup import install
+
+    install()
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND)

@@ -8,10 +8,12 @@ head with one window), vLLM's CPU kernel with that window as its sliding window 
 that need no sink outside their window, and the exact sink-and-window softmax of
 :mod:`aah.vllm.paged` for the others.
 
-Set-ups it cannot run exactly are refused when the engine starts, with the reason: another
-platform than CPU, a quantised KV cache, a page layout other than the one checked at start-up,
-ALiBi, logit soft-capping, learned attention sinks, non-decoder attention and KV sharing
-across layers.
+Set-ups it cannot run exactly are refused, with the reason: the windows file and the engine's
+settings (another platform than CPU, a quantised KV cache, a page layout other than the one
+checked at start-up) in vLLM's front-end process before the engine starts
+(:mod:`aah.vllm.startup`); ALiBi, logit soft-capping, learned attention sinks, non-decoder
+attention and KV sharing across layers, which only the model's layers tell, when the engine
+builds them.
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm import _custom_ops as ops
 from vllm import envs
 
-from ..hf.bridge.windows_file import check_windows_for, load_windows
 from .paged import Batch, PagedKV, windowed_attention
-from .plan import LayerPlan, plan_layer, resolve_windows_path
+from .plan import LayerPlan, plan_layer
+from .startup import WindowsSource, check_windows_file, model_folder, windows_source
 
 __all__ = ["AAHCPUAttentionBackend", "AAHCPUAttentionImpl", "AAHCPUAttentionMetadataBuilder", "served_windows"]
 
@@ -46,18 +48,11 @@ class ServedWindows:
 
 
 @functools.lru_cache(maxsize=1)
-def _load(path: str, config_key: int) -> ServedWindows:
+def _load(source: WindowsSource, config_key: int) -> ServedWindows:
     del config_key  # part of the cache key only
     hf_config = get_current_vllm_config().model_config.hf_config
-    windows, meta = load_windows(path)
-    try:
-        check_windows_for(hf_config, windows, meta, path)
-    except ValueError as exc:
-        raise ValueError(f"aah.vllm: {exc}") from None
-    sinks = meta.get("sink_tokens")
-    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
-        raise ValueError(f"aah.vllm: {path} has sink_tokens={sinks!r}; expected an int >= 0")
-    return ServedWindows(Path(path), windows, sinks)
+    windows, sinks = check_windows_file(source, hf_config)  # checked in the front-end already
+    return ServedWindows(source.path, windows, sinks)
 
 
 def served_windows() -> ServedWindows | None:
@@ -65,11 +60,11 @@ def served_windows() -> ServedWindows | None:
     model_config = get_current_vllm_config().model_config
     if model_config is None:
         return None
-    model_dir = model_config.model if Path(str(model_config.model)).is_dir() else None
-    path = resolve_windows_path(model_dir, model_config.hf_config)
-    if path is None:
+    source = windows_source(model_folder(model_config), model_config.hf_config,
+                            getattr(model_config, "hf_overrides", None))
+    if source is None:
         return None
-    return _load(str(path), id(model_config.hf_config))
+    return _load(source, id(model_config.hf_config))
 
 
 @functools.lru_cache(maxsize=8)

@@ -46,7 +46,7 @@ from ..cli_flags import (
     write_json,
 )
 from ..errors import CLIError
-from ..hf.bridge.windows_file import check_windows_for, load_windows
+from .startup import StartupError, WindowsSource, check_windows_file
 
 __all__ = ["add_command", "exactness", "main", "run", "vllm_python"]
 
@@ -89,10 +89,12 @@ def _check(args: argparse.Namespace) -> None:
         raise CLIError(f"{args.model} is not a model folder (no config.json)")
     try:  # the windows file against the model's layout, before either engine starts
         config = SimpleNamespace(**json.loads(Path(args.model, "config.json").read_text()))
-        windows, meta = load_windows(args.windows_file)
-        check_windows_for(config, windows, meta, args.windows_file)
-    except (OSError, ValueError, TypeError, AttributeError) as exc:
-        raise CLIError(str(exc).splitlines()[0]) from None
+    except (OSError, ValueError, TypeError) as exc:
+        raise CLIError(f"{args.model}/config.json is not readable: {str(exc).splitlines()[0]}") from None
+    try:
+        check_windows_file(WindowsSource(Path(args.windows_file), "--windows-file"), config)
+    except StartupError as exc:
+        raise CLIError(str(exc).removeprefix("aah.vllm: ")) from None
 
 
 def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:

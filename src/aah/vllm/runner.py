@@ -6,9 +6,13 @@ core and worker run in this process, so vLLM is imported once for all engines); 
 ``{"name": str, "windows": PATH or null, "engine_args": {...}, "rounds": [ROUND, ...]}`` (and
 optionally its own ``"model"``) with
 ``ROUND = {"prompts": [[token ids]...], "max_tokens": int, "prompt_logprobs": bool}``. The
-engines run one after the other, each with ``AAH_WINDOWS`` set to its ``windows`` (unset for
-``null``: vanilla vLLM); the rounds of an engine run in order on the same engine (so a later
-round can hit the prefix cache of an earlier one). ``OUT.json`` maps each engine's name to
+engines run one after the other, each with ``AAH_WINDOWS`` set to its ``windows`` (``null``:
+vanilla vLLM, with ``AAH_WINDOWS`` unset and the model config's ``aah_windows`` overridden; no
+``windows`` key: ``AAH_WINDOWS`` unset, so the model's ``config.json`` decides); the rounds of
+an engine run in order on the same engine (so a later round can hit the prefix cache of an
+earlier one). A windows file or setting the plugin refuses ends the run before the engine starts,
+with exit status 2 and the refusal's one line last on stderr. ``OUT.json`` maps each engine's
+name to
 ``{"rounds": [[REQUEST, ...], ...], "seconds": [...], "startup_s": float}``, where ``REQUEST`` is
 ``{"prompt_logprobs": [float] (one per prompt token after the first), "tokens": [int],
 "logprobs": [float]}``: the greedy tokens and their log-probabilities (with
@@ -24,7 +28,8 @@ import sys
 import time
 from typing import Any
 
-from .plan import ENV_VAR
+from .plan import CONFIG_KEY, ENV_VAR
+from .startup import StartupError
 
 __all__ = ["run_engine", "main"]
 
@@ -35,13 +40,14 @@ def run_engine(model: str, engine: dict[str, Any]) -> dict[str, Any]:
 
     from vllm import LLM, SamplingParams
 
-    if engine.get("windows"):
-        os.environ[ENV_VAR] = str(engine["windows"])
-    else:
-        os.environ.pop(ENV_VAR, None)
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(engine.get("kv_cache_gib", 1)))
     args = {"dtype": "float32", "seed": 0, "skip_tokenizer_init": True, "gpu_memory_utilization": 0.3,
             **engine.get("engine_args", {})}
+    os.environ.pop(ENV_VAR, None)
+    if engine.get("windows"):
+        os.environ[ENV_VAR] = str(engine["windows"])
+    elif "windows" in engine:  # vanilla, even where the model's config.json names a windows file
+        args["hf_overrides"] = {CONFIG_KEY: None, **args.get("hf_overrides", {})}
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(engine.get("kv_cache_gib", 1)))
     started = time.perf_counter()
     llm = LLM(model=model, **args)
     startup = time.perf_counter() - started
@@ -99,7 +105,11 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         for engine in spec["engines"]:
             engine.setdefault("engine_args", {}).setdefault("distributed_executor_backend", "uni")
-    result = {engine["name"]: run_engine(engine.get("model", spec["model"]), engine) for engine in spec["engines"]}
+    try:
+        result = {engine["name"]: run_engine(engine.get("model", spec["model"]), engine) for engine in spec["engines"]}
+    except StartupError as exc:  # refused before the engine started: its one line, last
+        print(exc, file=sys.stderr)
+        return 2
     with open(argv[1], "w") as fh:
         json.dump(result, fh)
     return 0
