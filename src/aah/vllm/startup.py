@@ -170,11 +170,11 @@ def check_engine_config(vllm_config: Any) -> WindowsSource | None:
 
 def _check_page_layout(source: WindowsSource, vllm_config: Any) -> None:
     """The page layout the engine's CPU kernel will use, checked as the engine does
-    (:func:`aah.vllm.backend.keys_transposed`), where the configuration already fixes it."""
+    (:func:`aah.vllm.page_layout.keys_transposed`), where the configuration already fixes it."""
     try:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-        from .backend import keys_transposed
+        from .page_layout import keys_transposed
     except ImportError:  # the engine checks it when it starts
         return
     model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
