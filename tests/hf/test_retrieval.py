@@ -200,7 +200,8 @@ def test_retrieval_command_writes_json_and_heatmap(model_dir, tmp_path, capsys):
             "--json", str(out), "--heatmap", str(png)]
     assert main(argv) == 0
     report = json.loads(out.read_text())
-    assert set(report) == {"config", "filler", "settings", "results", "samples"}
+    assert set(report) == {"config", "filler", "settings", "results", "samples", "peak_rss_bytes"}
+    assert isinstance(report["peak_rss_bytes"], int) and report["peak_rss_bytes"] > 0
     assert report["filler"] == report["config"]["filler"] == "repeat"
     assert report["config"]["tasks"] == ["passkey", "niah_single"] and report["config"]["lengths"] == [350, 400]
     assert set(report["results"]) == {"full", "aah", "uniform"}

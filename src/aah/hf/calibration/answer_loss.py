@@ -126,13 +126,19 @@ def window_probe(model: torch.nn.Module, sink_tokens: int):
         qpos = torch.arange(k_len - q_len, k_len, device=query.device)[:, None]
         kpos = torch.arange(k_len, device=query.device)[None, :]
         context = contexts[id(module)]
-        mask = visible(qpos, kpos, k_len if context is None else context)[None, None]
         windows = active.get(module.layer_idx)
-        if windows is not None and windows.shape[0] == 1 and q_len == k_len:
-            # A whole windowed prompt (the repair's context read) runs as a patched layer runs it:
-            # the strip kernel skips the work outside the windows and sinks instead of masking it.
-            spec = LayerWindows.build(tuple(int(w) for w in windows[0]), sink_tokens, _PROMPT_BACKEND, context)
+        if q_len == k_len and windows is None and context is None:
+            # A whole prompt at full attention (a context read): causal SDPA, no (T, T) mask.
+            out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+            return out.transpose(1, 2).contiguous(), None
+        if q_len == k_len and (windows is None or windows.shape[0] == 1):
+            # A whole prompt in a sliding layer, or windowed (the repair's context read), runs as a
+            # patched layer runs it: the strip kernel skips the work outside the windows and sinks
+            # instead of masking it, and no (T, T) mask exists.
+            row = (k_len,) * query.shape[1] if windows is None else tuple(int(w) for w in windows[0])
+            spec = LayerWindows.build(row, sink_tokens, _PROMPT_BACKEND, context)
             return attend_without_cache(query, key, value, None, scaling, spec).transpose(1, 2).contiguous(), None
+        mask = visible(qpos, kpos, k_len if context is None else context)[None, None]
         if windows is not None:
             w = windows.to(query.device)[:, :, None, None]  # (B, H, 1, 1)
             sinks = layer_sinks(sink_tokens, context)
@@ -205,7 +211,7 @@ def measure_answer_loss(
                 windows[v, list(items[i])] = int(candidates[c])
             cache = dynamic_cache(config=model.config)
             set_windows({})
-            model(ids[:, :read], past_key_values=cache, use_cache=True)
+            model(ids[:, :read], past_key_values=cache, use_cache=True, logits_to_keep=1)  # the cache alone counts
             base = float(answer_token_nll(model, cache, inputs, answer)[0])
             if full_nll is not None:
                 full_nll.append(base)

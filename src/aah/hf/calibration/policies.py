@@ -325,7 +325,7 @@ def measure_lost_mass(
     seq_len = int(batches[0].shape[-1])
     with recording(model, modules, [recorder(i, m) for i, m in enumerate(modules)], seq_len):
         for batch in tqdm(batches, desc="calibrate budgeted", disable=not progress):
-            model(batch.to(model.device), use_cache=False)
+            model(batch.to(model.device), use_cache=False, logits_to_keep=1)  # the logits go unused
     return torch.stack([t.cpu() for t in totals]) / len(batches)
 
 

@@ -82,7 +82,7 @@ def joint_answer_gain(
             answer_tokens += len(seq.answer)
             set_windows({layer: windows[layer][None] for layer in range(num_layers)})
             cache = dynamic_cache(config=model.config)
-            model(ids[:, :read], past_key_values=cache, use_cache=True)
+            model(ids[:, :read], past_key_values=cache, use_cache=True, logits_to_keep=1)  # the cache alone counts
             base = float(answer_token_nll(model, cache, inputs, answer)[0])
             windowed += base
             for start in range(0, len(widen), chunk):

@@ -44,6 +44,7 @@ from ...controller.features import sample_query_positions
 from ...windows import visible
 from ..bridge.patch import recording
 from ..bridge.spec import attention_modules, layer_sinks, layer_sliding_window
+from ..evaluation.compare import HEAD_CHUNK_ROWS, check_head, final_hidden, head_logits
 
 __all__ = ["window_output_change", "measure_window_kl"]
 
@@ -107,17 +108,36 @@ def _activation_gradients_only(model: torch.nn.Module):
             p.requires_grad_(flag)
 
 
-def _next_token_loss(
-    model: torch.nn.Module, batch: torch.Tensor, labels: torch.Tensor | None, generator: torch.Generator
-) -> torch.Tensor:
-    """Summed negative log-likelihood of ``labels`` (B, T - 1), by default next tokens sampled
-    from the model's own predictions."""
-    logits = model(batch, use_cache=False).logits[:, :-1].float()
-    flat = logits.reshape(-1, logits.shape[-1])
-    if labels is None:
-        with torch.no_grad():
-            labels = torch.multinomial(flat.softmax(-1).cpu(), 1, generator=generator)[:, 0]
-    return F.cross_entropy(flat, labels.reshape(-1).to(flat.device), reduction="sum")
+def _backward_next_token_loss(
+    model: torch.nn.Module, batch: torch.Tensor, labels: torch.Tensor | None, generator: torch.Generator,
+    chunk_rows: int,
+) -> None:
+    """Backpropagate the summed negative log-likelihood of ``labels`` (B, T - 1), by default next
+    tokens sampled from the model's own predictions, into the model's activations.
+
+    The forward computes the logits of the last position only; the LM head then reads the final
+    hidden states ``chunk_rows`` rows at a time (:func:`aah.hf.evaluation.compare.head_logits`),
+    each chunk's loss backpropagated into those hidden states before the next chunk's logits exist,
+    and the hidden states' gradient runs through the rest of the model once. The labels are drawn
+    row after row as one draw over every row would draw them."""
+    with final_hidden(model) as captured:
+        own_last = model(batch, use_cache=False, logits_to_keep=1).logits[:, -1]
+    hidden = captured[-1]
+    rows = hidden.detach().requires_grad_(True)
+    with torch.no_grad():
+        check_head(model, head_logits(model, rows[:, -1]), own_last.detach())
+    predicted = batch.shape[1] - 1
+    for b in range(batch.shape[0]):
+        for start in range(0, predicted, chunk_rows):
+            stop = min(predicted, start + chunk_rows)
+            logits = head_logits(model, rows[b, start:stop])
+            if labels is None:
+                with torch.no_grad():
+                    target = torch.multinomial(logits.softmax(-1).cpu(), 1, generator=generator)[:, 0]
+            else:
+                target = labels[b, start:stop]
+            F.cross_entropy(logits, target.to(logits.device), reduction="sum").backward()
+    hidden.backward(rows.grad)
 
 
 def measure_window_kl(
@@ -130,6 +150,7 @@ def measure_window_kl(
     seed: int = 0,
     labels: Sequence[torch.Tensor] | None = None,
     progress: bool = False,
+    chunk_rows: int = HEAD_CHUNK_ROWS,
 ) -> torch.Tensor:
     """(L, H, K) estimated KL per predicted token that each query head adds at each candidate window.
 
@@ -138,7 +159,11 @@ def measure_window_kl(
     per batch (the text's own next tokens give the empirical Fisher instead). The model must
     be unpatched; it runs at full attention, each layer within its own sliding window if it has
     one (where the patched layer keeps no sinks, see :meth:`~aah.hf.bridge.spec.LayerWindows.build`).
+    The LM head computes ``chunk_rows`` rows of logits at a time (:func:`_backward_next_token_loss`):
+    a block's logits never exist at once.
     """
+    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be an integer >= 1, got {chunk_rows!r}")
     modules = attention_modules(model)
     seq_len = int(batches[0].shape[-1])
     positions = sample_query_positions(seq_len, num_queries, 0)
@@ -178,6 +203,7 @@ def measure_window_kl(
     output_recorders = [on_output(i) for i in range(len(modules))]
     with _activation_gradients_only(model), recording(model, modules, recorders, seq_len, output_recorders):
         for i, batch in enumerate(tqdm(batches, desc="calibrate budgeted (kl)", disable=not progress)):
-            _next_token_loss(model, batch.to(model.device), None if labels is None else labels[i], generator).backward()
+            _backward_next_token_loss(model, batch.to(model.device), None if labels is None else labels[i], generator,
+                                      chunk_rows)
             tokens += batch.shape[0] * (seq_len - 1)
     return (totals / tokens).float()

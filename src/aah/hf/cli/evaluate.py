@@ -1,5 +1,7 @@
 """``aah hf eval``: perplexity, served perplexity, prefill/decode speed and KV bytes of full attention,
-the windows of a file and one uniform window at the same causal coverage."""
+the model's own windows through the bridge (a model with sliding layers of its own, such as Gemma 3),
+the windows of a file and one uniform window at the same causal coverage; the process's peak
+resident memory."""
 
 from __future__ import annotations
 
@@ -18,10 +20,13 @@ def evaluate_command(args: argparse.Namespace) -> int:
     from ..evaluation.compare import (
         Setting,
         evaluate_settings,
+        has_own_windows,
         markdown_table,
+        own_setting,
         summary,
         uniform_setting,
     )
+    from ..evaluation.memory import format_bytes, peak_rss_bytes
 
     if args.rounds < 1:
         raise CLIError(f"--rounds must be >= 1, got {args.rounds}")
@@ -40,9 +45,13 @@ def evaluate_command(args: argparse.Namespace) -> int:
     blocks = token_blocks_of(tokenizer, args.corpus, "val", args.seq_len, args.batches)
     model = load_model()
     aah = Setting("aah", windows, int(meta["sink_tokens"]) if sink_tokens is None else sink_tokens, kept)
-    settings = [Setting("full", None), aah]
-    if not args.no_uniform:
-        settings.append(uniform_setting(model, aah, args.seq_len))
+    # A model with sliding layers of its own also runs them through the bridge (own): execution
+    # apart from the choice of windows.
+    own = [own_setting(model, args.seq_len)] if has_own_windows(model) else []
+    settings = [Setting("full", None), *own, aah]
+    uniform = None if args.no_uniform else uniform_setting(model, aah, args.seq_len)
+    if uniform is not None:
+        settings.append(uniform)
     results = evaluate_settings(
         model, settings, blocks, decode_batch=args.decode_batch, new_tokens=args.new_tokens, rounds=args.rounds
     )
@@ -51,11 +60,12 @@ def evaluate_command(args: argparse.Namespace) -> int:
             "model": meta["model"], "seq_len": args.seq_len, "corpus": args.corpus, "batches": args.batches,
             "decode_batch": args.decode_batch, "new_tokens": args.new_tokens, "rounds": args.rounds,
             "windows_file": args.windows_file, "policy": meta["policy"], "sink_tokens": aah.sink_tokens,
-            "uniform_window": None if args.no_uniform else int(settings[2].windows[0, 0]),
+            "uniform_window": None if uniform is None else int(uniform.windows[0, 0]),
             **kept_keys_config(kept),
         },
         **results,
         **summary(results),
+        "peak_rss_bytes": peak_rss_bytes(),  # the whole process so far: the model's load included
     }
     if args.json != "-":
         print(markdown_table(results))
@@ -63,8 +73,17 @@ def evaluate_command(args: argparse.Namespace) -> int:
             f"ppl ratio {report['ppl_ratio']:.4f}, served ppl ratio {report['served_ppl_ratio']:.4f}, "
             f"prefill x{report['prefill_speedup']:.2f}, "
             f"decode x{report['decode_speedup']:.2f} (batch {args.decode_batch}), "
-            f"KV bytes ratio {report['kv_bytes_ratio']:.3f} (ACR {results['aah']['acr']:.3f})"
+            f"KV bytes ratio {report['kv_bytes_ratio']:.3f} (ACR {results['aah']['acr']:.3f}), "
+            f"peak RSS {format_bytes(report['peak_rss_bytes'])} (model load included)"
         )
+        if own:
+            print(
+                f"own windows through the bridge vs full: ppl ratio {report['own_ppl_ratio']:.4f}, "
+                f"prefill x{report['own_prefill_speedup']:.2f}, decode x{report['own_decode_speedup']:.2f}; "
+                f"aah vs own: ppl ratio {report['aah_vs_own_ppl_ratio']:.4f}, "
+                f"prefill x{report['aah_vs_own_prefill_speedup']:.2f}, "
+                f"decode x{report['aah_vs_own_decode_speedup']:.2f}"
+            )
         if kept is not None:
             print("kept keys count in ACR, KV bytes, speeds and the served perplexity (each block prefilled into "
                   "the setting's cache); the perplexity reads each block without a cache (the windows alone)")

@@ -1,7 +1,8 @@
 """``aah hf retrieval``: passkey, needle-in-a-haystack and variable-tracking accuracy of full
 attention, the calibrated windows (with their kept keys, if asked), one uniform window at the
-same executed coverage, and two baselines: the windows alone (no kept keys) and a DuoAttention-
-shaped windows file (``--duo-file``, from ``aah hf calibrate --policy duo``)."""
+same executed coverage, and three baselines: the model's own windows through the bridge (``own``,
+a model with sliding layers of its own such as Gemma 3), the windows alone (no kept keys) and a
+DuoAttention-shaped windows file (``--duo-file``, from ``aah hf calibrate --policy duo``)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from .setting_flags import add_setting_flags, kept_keys_config, setting_flags
 __all__ = ["add_command"]
 
 DEFAULT_DEPTHS = "0.05,0.275,0.5,0.725,0.95"
-SETTINGS = ("full", "aah", "uniform", "windows", "duo")
+SETTINGS = ("full", "own", "aah", "uniform", "windows", "duo")
 DEFAULT_SETTINGS = ("full", "aah", "uniform")
 
 
@@ -43,10 +44,11 @@ def add_command(subparsers) -> None:
                    help=f"needle depths in [0, 1] (default {DEFAULT_DEPTHS})")
     p.add_argument("--trials", type=int, default=2, help="samples per (task, length, depth) cell (default 2)")
     p.add_argument("--settings", default=",".join(DEFAULT_SETTINGS), metavar="S1,S2,...",
-                   help="which of full, aah (the windows file with the sink and kept-key flags), uniform (one "
-                        "window at aah's executed coverage, the same sinks and kept keys), windows (the windows "
-                        "file with the same sinks, no kept keys) and duo (--duo-file, its own sinks, no kept "
-                        "keys) to run (default full,aah,uniform)")
+                   help="which of full, own (a model with sliding layers of its own, such as Gemma 3: its own "
+                        "windows through the bridge, no sinks), aah (the windows file with the sink and kept-key "
+                        "flags), uniform (one window at aah's executed coverage, the same sinks and kept keys), "
+                        "windows (the windows file with the same sinks, no kept keys) and duo (--duo-file, its "
+                        "own sinks, no kept keys) to run (default full,aah,uniform)")
     p.add_argument("--duo-file", metavar="FILE",
                    help="the windows file of the duo setting (aah hf calibrate --policy duo)")
     p.add_argument("--seed", type=int, default=0)
@@ -101,7 +103,8 @@ def _retrieval(args: argparse.Namespace) -> int:
     sink_tokens, kept = setting_flags(args)
 
     from ..bridge.windows_file import check_windows_for, load_windows
-    from ..evaluation.compare import Setting, uniform_setting
+    from ..evaluation.compare import Setting, own_setting, uniform_setting
+    from ..evaluation.memory import format_bytes, peak_rss_bytes
     from ..evaluation.retrieval import (
         AnswerJournal,
         draw_heatmaps,
@@ -127,6 +130,8 @@ def _retrieval(args: argparse.Namespace) -> int:
             check_windows_for(config, duo[0], duo[1], args.duo_file)
     except ValueError as exc:
         raise CLIError(str(exc)) from None
+    if "own" in wanted:
+        _check_own(config)
     try:
         samples = build_samples(tokenizer, tasks, lengths, depths, args.trials, seed=args.seed, filler=args.filler)
     except FileNotFoundError as exc:  # a corpus, or the standard library's source, is not installed
@@ -151,6 +156,7 @@ def _retrieval(args: argparse.Namespace) -> int:
         setting_tags = {"windows": hashlib.sha256(windows_bytes + f"|sinks{sinks}".encode()).hexdigest()[:16]}
         if duo is not None:
             setting_tags["duo"] = hashlib.sha256(Path(args.duo_file).read_bytes()).hexdigest()[:16]
+        setting_tags["own"] = ""  # the model's own windows: its answers depend on the model alone
         journal = AnswerJournal(args.answers, model_tag, windows_tag, setting_tags)
     outputs: dict[str, list[str]] = {name: [] for name in wanted}
     facts: dict[str, dict[str, dict]] = {name: {} for name in wanted}
@@ -160,8 +166,10 @@ def _retrieval(args: argparse.Namespace) -> int:
             settings["duo"] = Setting("duo", duo[0], int(duo[1]["sink_tokens"]))
         if "uniform" in wanted:
             settings["uniform"] = uniform_setting(model, aah, length)
-        chosen = [settings[name] for name in wanted]
         group = [s for s in samples if s.length == length]
+        if "own" in wanted:  # the global layers' window reaches every position a prompt and its answer take
+            settings["own"] = own_setting(model, max([length] + [s.prompt_len + s.max_new_tokens for s in group]))
+        chosen = [settings[name] for name in wanted]
         for name, texts in run_settings(model, tokenizer, chosen, group, journal=journal).items():
             outputs[name].extend(texts)
         for setting in chosen:
@@ -185,13 +193,31 @@ def _retrieval(args: argparse.Namespace) -> int:
              "outputs": {name: outputs[name][i] for name in wanted}}
             for i, s in enumerate(ordered)
         ],
+        "peak_rss_bytes": peak_rss_bytes(),  # the whole process so far: the model's load included
     }
     if args.json != "-":
         print(_table(results, facts, lengths, args.filler))
+        print(f"peak RSS {format_bytes(report['peak_rss_bytes'])} (model load included)")
     write_json(args.json, report)
     if args.heatmap:
         draw_heatmaps(results, args.heatmap, filler=args.filler)
     return 0
+
+
+def _check_own(config) -> None:
+    """``--settings own`` needs sliding layers of the model's own: a one-line error otherwise
+    (checked on the model's layers built on the meta device, before the weights load)."""
+    import torch
+
+    from .._transformers import require
+    from ..evaluation.compare import has_own_windows
+
+    with torch.device("meta"):
+        skeleton = require().AutoModelForCausalLM.from_config(config)
+    if not has_own_windows(skeleton):
+        raise CLIError(f"--settings own needs a model with sliding layers of its own (Gemma 3, Mistral, ...); "
+                       f"{type(skeleton).__name__} has none (no sliding_window, no sliding layer types), so its own "
+                       "attention is the full setting")
 
 
 def _table(results: dict, facts: dict, lengths: list[int], filler: str) -> str:

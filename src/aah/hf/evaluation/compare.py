@@ -1,11 +1,16 @@
 """Held-out quality, speed and KV memory of a patched model against full attention.
 
-Three settings of one model: ``full`` (transformers' own SDPA attention and its default
-dynamic cache), ``aah`` (the calibrated windows with their sinks and the window cache) and
-``uniform`` (one window for every head, at the executed causal coverage of ``aah``). For each:
+Up to four settings of one model: ``full`` (transformers' own SDPA attention and its default
+dynamic cache), ``own`` (for a model with sliding layers of its own, such as Gemma 3: its own
+windows, the sliding window on sliding layers and the whole context on global layers, run through
+the bridge and its window cache, :func:`own_setting`), ``aah`` (the calibrated windows with their
+sinks and the window cache) and ``uniform`` (one window for every head, at the executed causal
+coverage of ``aah``). ``own`` against ``full`` is what the bridge's execution alone gains; ``aah``
+against ``own`` what the windows' choice gains on top. For each:
 
-* perplexity on held-out token blocks (teacher forcing over whole blocks, no cache), and
-  for each ratio of perplexities a 95% interval paired by block (Student-t over the blocks'
+* perplexity on held-out token blocks (teacher forcing over whole blocks, no cache; the loss taken
+  from the final hidden states through the LM head a chunk of rows at a time, :func:`block_nll`),
+  and for each ratio of perplexities a 95% interval paired by block (Student-t over the blocks'
   differences of mean log-likelihood, exponentiated), so more blocks narrow it;
 * served perplexity on the same blocks: each block prefilled in one call into a fresh cache of
   the setting, as a user serving it reads a prompt (kept keys included: the prefill's tail rows
@@ -28,7 +33,8 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -46,16 +52,21 @@ from ..bridge.spec import (
     layer_sliding_windows,
     layer_specs,
     layer_windows_for,
+    num_query_heads,
     uniform_window_for_budget,
 )
 
 __all__ = [
-    "Setting", "evaluate_settings", "head_logits", "last_logits", "markdown_table", "perplexity", "served_block_nll",
-    "summary", "uniform_setting",
+    "HEAD_CHUNK_ROWS", "Setting", "block_nll", "check_head", "chunked_nll", "evaluate_settings", "final_hidden",
+    "has_own_windows", "head_logits", "last_logits", "markdown_table", "own_setting", "perplexity",
+    "served_block_nll", "summary", "uniform_setting",
 ]
 
-#: Rows of a block whose logits :func:`served_block_nll` computes at once by default.
-SERVED_CHUNK_ROWS = 256
+#: Rows of a block whose logits :func:`block_nll` and :func:`served_block_nll` compute at once by
+#: default (with a vocabulary of 262k, 256 float rows are 268 MB).
+HEAD_CHUNK_ROWS = 256
+#: The former name of :data:`HEAD_CHUNK_ROWS`.
+SERVED_CHUNK_ROWS = HEAD_CHUNK_ROWS
 
 
 @dataclass(frozen=True)
@@ -81,14 +92,18 @@ class Setting:
 
 
 @torch.no_grad()
-def block_nll(model, blocks: torch.Tensor, *, desc: str | None = None) -> list[float]:
-    """Mean next-token negative log-likelihood of each block (B, T) of token ids."""
-    out = []
-    for block in tqdm(blocks, desc=desc, disable=desc is None, leave=False):
-        ids = block[None].to(model.device)
-        logits = model(ids, use_cache=False).logits[0, :-1].float()
-        out.append(F.cross_entropy(logits, ids[0, 1:]).item())
-    return out
+def block_nll(
+    model, blocks: torch.Tensor, *, chunk_rows: int = HEAD_CHUNK_ROWS, desc: str | None = None
+) -> list[float]:
+    """Mean next-token negative log-likelihood of each block (B, T) of token ids, read without a cache.
+
+    The model's forward computes the logits of the last position only; its base model's final
+    hidden states of every position are kept from that call and the LM head (:func:`head_logits`)
+    reads them ``chunk_rows`` rows at a time (:func:`chunked_nll`), so no more than ``chunk_rows``
+    rows of logits exist at once. ``ValueError`` for a model whose forward transforms its logits in
+    a way :func:`head_logits` does not know (as :func:`served_block_nll`)."""
+    return _block_losses(model, blocks, lambda ids: model(ids, use_cache=False, logits_to_keep=1).logits[:, -1],
+                         chunk_rows, desc)
 
 
 def nll_perplexity(nll: list[float]) -> float:
@@ -152,7 +167,7 @@ def head_logits(model, hidden: torch.Tensor) -> torch.Tensor:
     return logits
 
 
-def _check_head(model, computed: torch.Tensor, own: torch.Tensor) -> None:
+def check_head(model, computed: torch.Tensor, own: torch.Tensor) -> None:
     """``ValueError`` unless ``computed`` (:func:`head_logits` of a position) are the model's ``own``
     logits of that position, within the rounding of the model's dtype."""
     tol = max(1e-4, 4 * torch.finfo(own.dtype).eps)
@@ -165,9 +180,59 @@ def _check_head(model, computed: torch.Tensor, own: torch.Tensor) -> None:
         )
 
 
+def _check_chunk_rows(chunk_rows) -> None:
+    if not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be an integer >= 1, got {chunk_rows!r}")
+
+
+@contextmanager
+def final_hidden(model) -> Iterator[list[torch.Tensor]]:
+    """While open, every forward of ``model`` appends its base model's final hidden states
+    (B, T, hidden size: what the LM head reads) to the yielded list."""
+    captured: list[torch.Tensor] = []
+    handle = _base_model(model).register_forward_hook(lambda module, args, output: captured.append(output[0]))
+    try:
+        yield captured
+    finally:
+        handle.remove()
+
+
+def chunked_nll(model, hidden: torch.Tensor, labels: torch.Tensor, *, chunk_rows: int = HEAD_CHUNK_ROWS) -> float:
+    """Summed negative log-likelihood of ``labels`` (N,) from final hidden states ``hidden`` (N, hidden
+    size), the logits computed by :func:`head_logits` ``chunk_rows`` rows at a time."""
+    _check_chunk_rows(chunk_rows)
+    total = 0.0
+    for start in range(0, hidden.shape[0], chunk_rows):
+        stop = min(hidden.shape[0], start + chunk_rows)
+        logits = head_logits(model, hidden[start:stop])
+        total += F.cross_entropy(logits, labels[start:stop].to(logits.device), reduction="sum").item()
+    return total
+
+
+def _block_losses(model, blocks: torch.Tensor, forward: Callable[[torch.Tensor], torch.Tensor], chunk_rows: int,
+                  desc: str | None) -> list[float]:
+    """Mean next-token loss of each block: ``forward(ids)`` runs the model on the block (1, T) and
+    returns its own logits of the last position, which :func:`head_logits` of the captured final
+    hidden states must reproduce; the loss of every other position comes from those hidden states
+    ``chunk_rows`` rows at a time."""
+    _check_chunk_rows(chunk_rows)
+    out = []
+    with final_hidden(model) as captured:
+        for block in tqdm(blocks, desc=desc, disable=desc is None, leave=False):
+            ids = block[None].to(model.device)
+            captured.clear()
+            own_last = forward(ids)
+            hidden = captured[-1]
+            check_head(model, head_logits(model, hidden[:, -1]), own_last)
+            predicted = ids.shape[1] - 1
+            total = chunked_nll(model, hidden[0, :predicted], ids[0, 1:], chunk_rows=chunk_rows)
+            out.append(total / predicted)
+    return out
+
+
 @torch.no_grad()
 def served_block_nll(
-    model, setting: Setting, blocks: torch.Tensor, *, chunk_rows: int = SERVED_CHUNK_ROWS, desc: str | None = None
+    model, setting: Setting, blocks: torch.Tensor, *, chunk_rows: int = HEAD_CHUNK_ROWS, desc: str | None = None
 ) -> list[float]:
     """Mean next-token negative log-likelihood of each block (B, T) as ``setting`` serves it.
 
@@ -179,28 +244,8 @@ def served_block_nll(
     but the last predicts the next token. The head's logits of the last position must equal those
     the model's forward returned for it (``ValueError`` otherwise: a model whose forward transforms
     its logits in a way :func:`head_logits` does not know)."""
-    if not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be an integer >= 1, got {chunk_rows!r}")
-    captured: list[torch.Tensor] = []
-    handle = _base_model(model).register_forward_hook(lambda module, args, output: captured.append(output[0]))
-    out = []
-    try:
-        for block in tqdm(blocks, desc=desc, disable=desc is None, leave=False):
-            ids = block[None].to(model.device)
-            captured.clear()
-            own_last = last_logits(model, ids, setting.new_cache(model))
-            hidden = captured[-1]
-            _check_head(model, head_logits(model, hidden[:, -1]), own_last)
-            predicted = ids.shape[1] - 1
-            total = 0.0
-            for start in range(0, predicted, chunk_rows):
-                stop = min(predicted, start + chunk_rows)
-                logits = head_logits(model, hidden[0, start:stop])
-                total += F.cross_entropy(logits, ids[0, start + 1:stop + 1], reduction="sum").item()
-            out.append(total / predicted)
-    finally:
-        handle.remove()
-    return out
+    return _block_losses(model, blocks, lambda ids: last_logits(model, ids, setting.new_cache(model)),
+                         chunk_rows, desc)
 
 
 @torch.no_grad()
@@ -218,15 +263,16 @@ def evaluate_settings(
     """Per-setting ``ppl``, ``block_nll``, ``served_ppl``, ``served_block_nll``, ``prefill_tok_s``,
     ``decode_tok_s``, ``decode_route``, ``kv_bytes``, ``acr``, ``causal_coverage``, ``executed_coverage``.
     A setting's kept keys (:mod:`aah.hf.bridge.kept_keys`) count in its coverage figures, timings, KV
-    bytes and served perplexity (:func:`served_block_nll`, ``served_chunk`` rows of logits at a time);
-    its perplexity ``ppl`` reads the blocks without a cache, so with the windows alone."""
+    bytes and served perplexity (:func:`served_block_nll`); its perplexity ``ppl`` reads the blocks
+    without a cache (:func:`block_nll`), so with the windows alone. Both perplexities compute
+    ``served_chunk`` rows of logits at a time."""
     seq_len = blocks.shape[1]
     if new_tokens < 1 or new_tokens >= seq_len:
         raise ValueError(f"new_tokens must be in [1, {seq_len - 1}], got {new_tokens}")
     results: dict[str, dict] = {}
     for setting in settings:
         setting.apply(model)
-        nll = block_nll(model, blocks, desc=f"perplexity {setting.name}" if progress else None)
+        nll = block_nll(model, blocks, chunk_rows=served_chunk, desc=f"perplexity {setting.name}" if progress else None)
         served = served_block_nll(model, setting, blocks, chunk_rows=served_chunk,
                                   desc=f"served perplexity {setting.name}" if progress else None)
         results[setting.name] = {"ppl": nll_perplexity(nll), "block_nll": nll,
@@ -301,12 +347,43 @@ def uniform_setting(model, aah: Setting, seq_len: int) -> Setting:
     return Setting("uniform", torch.full_like(aah.windows, window), aah.sink_tokens, aah.kept_keys)
 
 
+def has_own_windows(model) -> bool:
+    """Whether some layer of ``model`` has a sliding window of its own (what
+    :attr:`aah.hf.bridge.spec.LayerWindows.layer_window` holds), so that :func:`own_setting` applies."""
+    ones = torch.ones(len(layer_sliding_windows(model)), num_query_heads(model), dtype=torch.int64)
+    return any(spec.layer_window is not None for spec in layer_windows_for(model, ones, 0))
+
+
+def own_setting(model, context: int, name: str = "own") -> Setting:
+    """The model's own attention run through the bridge: each layer's own sliding window
+    (:attr:`aah.hf.bridge.spec.LayerWindows.layer_window`) on its sliding layers, ``context`` (the
+    whole context: at least every position a prompt and its answer reach) on the others, no sinks
+    and no kept keys. The windows are those the layers execute (:func:`aah.hf.bridge.spec.layer_windows_for`
+    caps ``context`` by each layer's own window). ``ValueError`` for a model without sliding layers
+    of its own: there its own attention is full attention, which ``full`` measures."""
+    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+        raise ValueError(f"context must be an integer >= 1, got {context!r}")
+    if not has_own_windows(model):
+        config = model.config.get_text_config()
+        raise ValueError(
+            f"{type(model).__name__} has no sliding layers of its own (sliding_window "
+            f"{getattr(config, 'sliding_window', None)!r}, no sliding layer types): its own attention is full "
+            "attention, which the full setting measures"
+        )
+    whole = torch.full((len(layer_sliding_windows(model)), num_query_heads(model)), context, dtype=torch.int64)
+    return Setting(name, torch.tensor([spec.windows for spec in layer_windows_for(model, whole, 0)]), 0)
+
+
 def summary(results: dict[str, dict]) -> dict:
-    """The top-level ratios of ``aah`` against ``full`` (and ``uniform``'s perplexity ratio).
+    """The top-level ratios of ``aah`` against ``full`` (and ``uniform``'s perplexity ratio; with
+    ``own``, its ratios against ``full`` and those of ``aah`` against it).
 
     Perplexity ratios come with a 95% interval paired by held-out block (``*_ci``, ``None``
     with one block); ``served_ppl_ratio`` is that of the served perplexities;
-    ``aah_vs_uniform_ppl_ratio`` compares the two windowed settings.
+    ``aah_vs_uniform_ppl_ratio`` compares the two windowed settings. ``own_*`` compare ``own``
+    (the model's own windows through the bridge) with ``full`` (transformers' own attention and
+    cache): what execution alone gains; ``aah_vs_own_*`` compare ``aah`` with ``own``: what the
+    choice of windows gains on the same execution.
     """
     full, aah = results["full"], results["aah"]
     out = {
@@ -324,6 +401,20 @@ def summary(results: dict[str, dict]) -> dict:
         uniform["ppl_ratio_ci"] = ppl_ratio_interval(uniform["block_nll"], full["block_nll"])
         out["aah_vs_uniform_ppl_ratio"] = aah["ppl"] / uniform["ppl"]
         out["aah_vs_uniform_ppl_ratio_ci"] = ppl_ratio_interval(aah["block_nll"], uniform["block_nll"])
+    if "own" in results:
+        own = results["own"]
+        out.update({
+            "own_ppl_ratio": own["ppl"] / full["ppl"],
+            "own_served_ppl_ratio": own["served_ppl"] / full["served_ppl"],
+            "own_prefill_speedup": own["prefill_tok_s"] / full["prefill_tok_s"],
+            "own_decode_speedup": own["decode_tok_s"] / full["decode_tok_s"],
+            "own_kv_bytes_ratio": own["kv_bytes"] / full["kv_bytes"],
+            "aah_vs_own_ppl_ratio": aah["ppl"] / own["ppl"],
+            "aah_vs_own_ppl_ratio_ci": ppl_ratio_interval(aah["block_nll"], own["block_nll"]),
+            "aah_vs_own_prefill_speedup": aah["prefill_tok_s"] / own["prefill_tok_s"],
+            "aah_vs_own_decode_speedup": aah["decode_tok_s"] / own["decode_tok_s"],
+            "aah_vs_own_kv_bytes_ratio": aah["kv_bytes"] / own["kv_bytes"],
+        })
     return out
 
 
