@@ -5,6 +5,7 @@ peak resident memory in what the commands write. Tiny random Gemma 3 models of t
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -186,9 +187,8 @@ def test_eval_and_calibrate_report_own_and_peak_rss_on_gemma3(gemma_dir, tmp_pat
     windows = tmp_path / "w.safetensors"
     assert main(["hf", "calibrate", str(gemma_dir / "model"), "--corpus", str(gemma_dir / "corpus"), "--seq-len", "32",
                  "--policy", "uniform", "--budget", "0.6", "--batches", "1", "--out", str(windows)]) == 0
-    meta = load_windows(windows)[1]
-    assert isinstance(meta["peak_rss_bytes"], int) and meta["peak_rss_bytes"] > 0
-    assert "peak RSS" in capsys.readouterr().out
+    assert "peak_rss_bytes" not in load_windows(windows)[1]  # the same calibration writes the same file
+    assert re.search(r"peak RSS \d", capsys.readouterr().out)
     out = tmp_path / "eval.json"
     assert main(["hf", "eval", str(gemma_dir / "model"), "--windows-file", str(gemma_dir / "w.safetensors"),
                  "--corpus", str(gemma_dir / "corpus"), "--seq-len", "32", "--batches", "1", "--decode-batch", "1",

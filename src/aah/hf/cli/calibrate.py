@@ -1,5 +1,5 @@
-"""``aah hf calibrate``: choose per-head windows on calibration text and save them to a file (its
-metadata also records the process's peak resident memory, ``peak_rss_bytes``)."""
+"""``aah hf calibrate``: choose per-head windows on calibration text and save them to a file, and
+print the process's peak resident memory (not stored: the same calibration gives the same file)."""
 
 from __future__ import annotations
 
@@ -165,12 +165,11 @@ def calibrate_command(args: argparse.Namespace) -> int:
     meta["acr"], meta["causal_coverage"] = executed_coverage(model, args.seq_len, specs)
     # The windows alone read the causal coverage; the key is written so that every tool reads one.
     meta["executed_coverage"] = executed_read_coverage(specs, args.seq_len, None, kv_heads(model))
-    meta["peak_rss_bytes"] = peak_rss_bytes()  # the whole process: the model's load included
     save_windows(args.out, windows, meta)
     print(f"{args.policy} windows for {windows.shape[0]} layers x {windows.shape[1]} heads -> {args.out}")
     if duo_window:
         unit = "KV groups" if args.granularity == "kv_group" else "heads"
         print(f"{len(meta['duo_full_items'])} {unit} at full length {args.seq_len}, the rest at window {duo_window}")
     print(f"ACR {meta['acr']:.3f}, causal coverage {meta['causal_coverage']:.3f} as the layers run them "
-          f"(with {args.sink_tokens} sinks), peak RSS {format_bytes(meta['peak_rss_bytes'])} (model load included)")
+          f"(with {args.sink_tokens} sinks), peak RSS {format_bytes(peak_rss_bytes())} (model load included)")
     return 0
