@@ -136,9 +136,8 @@ def test_calibration_measures_compute_no_whole_block_of_logits():
     with HeadRows(model) as rows:
         measure_lost_mass(model, batches, cands, sink_tokens=2)
     assert max(rows) == 1  # the last position only: the logits go unused
-    # The answer loss reads its context into transformers' DynamicCache and crops it back, which a
-    # sliding layer refuses once its window is full: a sliding window longer than the sequence here.
-    model = _gemma(sliding_window=64)
+    # The answer loss reads its context into a cache and cuts it back after each answer, past the
+    # sliding window of 5 here (a sliding layer's own cache would refuse that).
     ids = _ids(1, 30, seed=7)[0].tolist()
     sequence = RetrievalSequence(tuple(ids[:24]), tuple(ids[24:27]), tuple(ids[27:]))
     with HeadRows(model) as rows:
@@ -218,3 +217,25 @@ def test_retrieval_refuses_own_for_a_model_without_sliding_layers(llama_dir, tmp
     (err,) = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert err.startswith("aah") and "--settings own" in err and "no sliding" in err and "LlamaForCausalLM" in err
     assert not (tmp_path / "r.json").exists()
+def test_answer_loss_past_the_sliding_window_reads_what_the_model_reads():
+    """The answer loss's full-attention NLL of a sequence longer than the sliding window equals the
+    NLL of the answer tokens in the unpatched model's own forward over the whole sequence."""
+    model = _gemma()
+    ids = _ids(1, 30, seed=9)
+    sequence = RetrievalSequence(tuple(ids[0, :22].tolist()), tuple(ids[0, 22:26].tolist()), tuple(ids[0, 26:].tolist()))
+    full_nll: list[float] = []
+    measure_answer_loss(model, [sequence], (2, 4), sink_tokens=2, items=[[0, 1, 2, 3]], full_nll=full_nll)
+    with torch.no_grad():
+        logits = model(ids).logits[0, 25:-1]
+    expected = F.cross_entropy(logits.double(), ids[0, 26:], reduction="sum")
+    assert full_nll == [pytest.approx(float(expected), rel=1e-6)]
+
+
+def test_retrieval_calibration_runs_past_the_sliding_window_on_gemma3(gemma_dir, tmp_path):
+    """Both answer-loss calibrations (the retrieval measure and the duo policy) on prompts longer
+    than the sliding window."""
+    for extra in (["--measure", "kl_retrieval"], ["--policy", "duo", "--duo-window", "8"]):
+        out = tmp_path / "w.safetensors"
+        args = ["hf", "calibrate", str(gemma_dir / "model"), "--corpus", str(gemma_dir / "corpus"), "--seq-len", "400",
+                "--policy", "budgeted", "--budget", "0.5", "--batches", "1", "--retrieval-sequences", "1", "--out", str(out)]
+        assert main(args + extra) == 0

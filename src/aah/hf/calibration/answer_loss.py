@@ -209,7 +209,9 @@ def measure_answer_loss(
             windows = torch.full((len(variants), heads), 1 << 30, dtype=torch.int64)
             for v, (i, c) in enumerate(variants):
                 windows[v, list(items[i])] = int(candidates[c])
-            cache = dynamic_cache(config=model.config)
+            # Full layers everywhere (no config): a sliding layer's own cache could not be cut back
+            # after each answer, and the probe's masks keep each layer's sliding window.
+            cache = dynamic_cache()
             set_windows({})
             model(ids[:, :read], past_key_values=cache, use_cache=True, logits_to_keep=1)  # the cache alone counts
             base = float(answer_token_nll(model, cache, inputs, answer)[0])

@@ -81,7 +81,7 @@ def joint_answer_gain(
             inputs, answer = ids[:, read:-1], ids[0, read + 1 :]
             answer_tokens += len(seq.answer)
             set_windows({layer: windows[layer][None] for layer in range(num_layers)})
-            cache = dynamic_cache(config=model.config)
+            cache = dynamic_cache()  # full layers: cut back after each answer (answer_loss.py)
             model(ids[:, :read], past_key_values=cache, use_cache=True, logits_to_keep=1)  # the cache alone counts
             base = float(answer_token_nll(model, cache, inputs, answer)[0])
             windowed += base
