@@ -6,7 +6,9 @@ of vLLM's CPU attention backend. The windows file made by ``aah hf calibrate`` i
 environment variable ``AAH_WINDOWS`` or by the key ``aah_windows`` of the model's
 ``config.json``; without one, vLLM runs unchanged. :mod:`aah.vllm.startup` checks the windows
 file and the engine's settings in the front-end process, before vLLM starts its engine core, and
-keeps a windows file in the model folder out of vLLM's weight files.
+keeps a windows file in the model folder out of vLLM's weight files. :mod:`aah.vllm.memory_hook`
+lets each layer's KV memory follow its windows (:mod:`aah.vllm.kv_memory`: the blocks outside a
+layer's sinks and largest window are freed).
 
 :mod:`aah.vllm.plan` (windows, sinks, tensor-parallel slices) and :mod:`aah.vllm.paged`
 (per-head windows with sinks over the paged KV cache) import no vLLM.
@@ -25,10 +27,13 @@ BACKEND = "aah.vllm.backend.AAHCPUAttentionBackend"
 def register() -> None:
     """The entry point: override vLLM's CPU attention backend, and install the start-up checks
     (:func:`aah.vllm.startup.install`; a windows file on another platform than CPU is refused
-    there, since those backends would ignore the windows)."""
+    there, since those backends would ignore the windows), and the hook through which layers
+    report KV cache specs that follow their windows (:func:`aah.vllm.memory_hook.install`)."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+    from .memory_hook import install as install_memory_hook
     from .startup import install
 
     install()
+    install_memory_hook()
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND)

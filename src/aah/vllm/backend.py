@@ -179,20 +179,24 @@ class AAHCPUAttentionImpl(CPUAttentionBackendImpl):
 
 _BATCH_CACHE: dict = {}
 #: The kernel's scheduler metadata of this step, by (query starts, heads, KV heads, window);
-#: the starts tensors live in the step's Batch, so their ids are stable until it is replaced.
+#: the starts tensors live in the step's Batches, so their ids are stable until they are replaced.
 _METADATA: dict = {}
+#: Batches kept at once: a step has one metadata object per KV cache group (several when the
+#: layers' KV memory follows their windows, :mod:`aah.vllm.kv_memory`).
+_MAX_BATCHES = 64
 
 
 def _shared_batch(attn_metadata) -> Batch:
-    """One :class:`Batch` per step's metadata, shared by the layers (they get the same object;
-    the cache holds it, so its id is not reused while it is cached)."""
+    """One :class:`Batch` per step's metadata, shared by the layers of its KV cache group (they
+    get the same object; the cache holds it, so its id is not reused while it is cached)."""
     key = id(attn_metadata)
     hit = _BATCH_CACHE.get(key)
     if hit is not None and hit[0] is attn_metadata:
         return hit[1]
     batch = Batch.from_metadata(attn_metadata.query_start_loc, attn_metadata.seq_lens, attn_metadata.block_table)
-    _BATCH_CACHE.clear()
-    _METADATA.clear()
+    if len(_BATCH_CACHE) >= _MAX_BATCHES:
+        _BATCH_CACHE.clear()
+        _METADATA.clear()
     _BATCH_CACHE[key] = (attn_metadata, batch)
     return batch
 
