@@ -36,7 +36,7 @@ from vllm import envs
 from .page_layout import keys_transposed
 from .paged import Batch, PagedKV, windowed_attention
 from .plan import LayerPlan, plan_layer
-from .startup import WindowsSource, check_windows_file, model_folder, windows_source
+from .startup import WindowsSource, check_windows_file, engine_windows_source
 
 __all__ = ["AAHCPUAttentionBackend", "AAHCPUAttentionImpl", "AAHCPUAttentionMetadataBuilder", "served_windows"]
 
@@ -61,8 +61,7 @@ def served_windows() -> ServedWindows | None:
     model_config = get_current_vllm_config().model_config
     if model_config is None:
         return None
-    source = windows_source(model_folder(model_config), model_config.hf_config,
-                            getattr(model_config, "hf_overrides", None))
+    source = engine_windows_source(model_config)
     if source is None:
         return None
     return _load(source, id(model_config.hf_config))

@@ -33,7 +33,7 @@ from .plan import CONFIG_KEY, ENV_VAR, resolve_windows_path
 
 __all__ = [
     "CLI_CONTEXTS", "WINDOWS_TENSORS", "StartupError", "WindowsSource", "check_engine_config", "check_settings",
-    "check_windows_file", "drop_windows_files", "install", "is_windows_file", "model_folder",
+    "check_windows_file", "drop_windows_files", "engine_windows_source", "install", "is_windows_file", "model_folder",
     "windows_source",
 ]
 
@@ -139,6 +139,12 @@ def check_settings(source: WindowsSource, *, platform: str, kv_cache_dtype: str 
                             "windows are the served model's only")
 
 
+def engine_windows_source(model_config: Any) -> WindowsSource | None:
+    """:func:`windows_source` for vLLM's model configuration (its folder, config and overrides)."""
+    return windows_source(model_folder(model_config), model_config.hf_config,
+                          getattr(model_config, "hf_overrides", None))
+
+
 def check_engine_config(vllm_config: Any) -> WindowsSource | None:
     """The front-end check of vLLM's engine configuration (vLLM imported): the windows file it
     names, read and checked, and the settings; ``None`` when no windows file is named."""
@@ -147,8 +153,7 @@ def check_engine_config(vllm_config: Any) -> WindowsSource | None:
     model_config = vllm_config.model_config
     if model_config is None:
         return None
-    source = windows_source(model_folder(model_config), model_config.hf_config,
-                            getattr(model_config, "hf_overrides", None))
+    source = engine_windows_source(model_config)
     if source is None:
         return None
     platform = "cpu" if current_platform.is_cpu() else str(current_platform.device_name or
