@@ -102,7 +102,7 @@ def test_calibrate_validates_its_inputs():
     with pytest.raises(ValueError, match="needs a budget"):
         calibrate(model, batch, policy="uniform")
     with pytest.raises(ValueError, match="granularity"):
-        calibrate(model, batch, policy="uniform", budget=0.5, granularity="layer")
+        calibrate(model, batch, policy="uniform", budget=0.5, granularity="block")
 
 
 def test_windows_file_round_trip_and_refusals(tmp_path):
@@ -210,7 +210,7 @@ def test_budgeted_choice_is_optimal_against_brute_force(source, sinks):
     else:  # a spread-out table (random heads are alike): decreasing in the window, zero at T
         raw = torch.rand(1, 4, 4, generator=torch.Generator().manual_seed(sinks)).sort(dim=-1, descending=True).values
         lost = raw * torch.tensor([1.0, 1.0, 1.0, 0.0])
-    groups = {"head": [[0], [1], [2], [3]], "kv_group": [[0, 1], [2, 3]]}
+    groups = {"head": [[0], [1], [2], [3]], "kv_group": [[0, 1], [2, 3]], "layer": [[0, 1, 2, 3]]}
     for budget in (0.3, 0.4, 0.45, 0.55, 0.7, 0.9, 1.0):
         for granularity, members in groups.items():
             if not _fits([CANDS[0]] * 4, budget, 64, sinks):
@@ -257,6 +257,35 @@ def test_a_head_whose_attention_is_all_far_away_gets_the_long_window():
     assert grouped[0].tolist() == [64, 64, 8, 8]
     tight = budgeted_windows(lost[None], CANDS, budget, t, sink_tokens=sinks, num_kv_heads=2)
     assert tight[0].tolist() in ([32, 32, 8, 8], [16, 16, 8, 8]) and _fits(tight[0].tolist(), budget, t, sinks)
+
+
+def test_layer_granularity_is_the_knapsack_over_whole_layers_by_hand():
+    """T = 64, no sinks: a head at window w keeps w(w+1)/2 + (64-w)w pairs: 484 (8), 904 (16),
+    1552 (32), 2080 (64). Budget 0.72 over 2 layers x 4 heads: floor(0.72 * 8 * 2080) = 11980
+    pairs, 2995 per head of a layer pair; over one layer floor(0.72 * 4 * 2080) = 5990, 1497 per head.
+
+    Layer 0 (one far-reading head) loses 1.2, 0.95, 0.6, 0 summed over its heads at 8, 16, 32, 64;
+    layer 1 loses 0.8, 0.4, 0.2, 0. Over the model the pairs that fit are those of at most 2995:
+    (64, 16) costs 2984 and loses 0.4, the least ((32, 32) costs 3104; (64, 8) loses 0.8; (32, 16)
+    1.0; (16, 64) 0.95). Per layer 32 (1552) does not fit 1497, so each layer takes 16."""
+    far, near, local = [0.9, 0.8, 0.6, 0.0], [0.1, 0.05, 0.0, 0.0], [0.2, 0.1, 0.05, 0.0]
+    lost = torch.tensor([[far, near, near, near], [local] * 4], dtype=torch.float64)
+    model_scope = budgeted_windows(lost, CANDS, 0.72, 64, sink_tokens=0, num_kv_heads=2, granularity="layer",
+                                   scope="model")
+    assert model_scope.tolist() == [[64] * 4, [16] * 4]
+    layer_scope = budgeted_windows(lost, CANDS, 0.72, 64, sink_tokens=0, num_kv_heads=2, granularity="layer")
+    assert layer_scope.tolist() == [[16] * 4, [16] * 4]
+    # Per head the far head alone is widened: the layer's other heads stay short.
+    heads = budgeted_windows(lost, CANDS, 0.72, 64, sink_tokens=0, granularity="head", scope="model")
+    assert heads[0, 0] == 64 and heads[0, 1:].max() < 64
+
+
+def test_aah_v3_at_layer_granularity_gives_each_layer_its_largest_window():
+    model = _llama()
+    batches = _batches()
+    per_head = calibrate(model, batches, policy="aah_v3", granularity="head", seed=3)
+    per_layer = calibrate(model, batches, policy="aah_v3", granularity="layer", seed=3)
+    assert torch.equal(per_layer, per_head.max(dim=1, keepdim=True).values.expand_as(per_head))
 
 
 def test_budgeted_errors_name_the_numbers():
@@ -437,6 +466,38 @@ def test_budgeted_calibrate_command_writes_policy_and_budget(tiny_model_dir, tmp
     assert meta["granularity"] == "kv_group" and torch.equal(windows[:, 0::2], windows[:, 1::2])
     assert meta["causal_coverage"] == causal_coverage(windows, 64, sink_tokens=2) <= 0.5
     assert "budgeted windows for 2 layers x 4 heads" in capsys.readouterr().out
+
+
+def test_calibrate_command_at_layer_granularity_writes_one_window_per_layer(tiny_model_dir, tmp_path, capsys):
+    model_dir, corpus = tiny_model_dir
+    out = tmp_path / "layer.safetensors"
+    assert main(["hf", "calibrate", str(model_dir), "--corpus", str(corpus), "--seq-len", "64", "--policy",
+                 "budgeted", "--budget", "0.5", "--batches", "1", "--sink-tokens", "2", "--granularity", "layer",
+                 "--out", str(out)]) == 0
+    windows, meta = load_windows(out, transformers.AutoConfig.from_pretrained(model_dir))
+    assert meta["granularity"] == "layer" and windows.shape == (2, 4)
+    assert all(len(set(row)) == 1 for row in windows.tolist())
+    assert causal_coverage(windows, 64, sink_tokens=2) <= 0.5
+    assert "budgeted windows for 2 layers x 4 heads" in capsys.readouterr().out
+    err = _error(["hf", "calibrate", str(model_dir), "--corpus", str(corpus), "--seq-len", "64", "--policy",
+                  "budgeted", "--budget", "0.5", "--granularity", "model", "--out", "x"], capsys)
+    assert "--granularity must be one of head, kv_group, layer; got 'model'" in err
+
+
+def test_a_layer_granularity_file_with_mixed_windows_in_a_layer_is_refused(tmp_path):
+    model = _llama()
+    meta = {"model": model_signature(model), "seq_len": 64, "policy": "budgeted", "budget": 0.5,
+            "sink_tokens": 4, "acr": 0.4, "causal_coverage": 0.5}
+    mixed = torch.tensor([[8, 8, 16, 16], [32, 32, 32, 32]])  # one window per KV group, two in layer 0
+    kv_file = save_windows(tmp_path / "kv.safetensors", mixed, {**meta, "granularity": "kv_group"})
+    assert torch.equal(load_windows(kv_file, model)[0], mixed)
+    layer_file = save_windows(tmp_path / "layer.safetensors", mixed, {**meta, "granularity": "layer"})
+    with pytest.raises(ValueError, match=r"says granularity layer, but in layer 0 the query heads have different "
+                                         r"windows \[8, 8, 16, 16\]"):
+        load_windows(layer_file, model)
+    even = save_windows(tmp_path / "even.safetensors", torch.tensor([[16] * 4, [32] * 4]),
+                        {**meta, "granularity": "layer"})
+    assert load_windows(even, model)[1]["granularity"] == "layer"
 
 
 def test_budgeted_calibrate_command_errors_are_one_line(tiny_model_dir, capsys):

@@ -6,7 +6,8 @@ sequence length, the policy, the budget, the sink tokens and the coverage figure
 tensor, ``sha256`` (32 bytes), is the digest of the windows and the metadata, so that a damaged
 or edited file is refused rather than used; files written before it existed hold ``windows``
 alone and still load. A file whose ``granularity`` is ``kv_group`` (what ``aah hf calibrate``
-writes by default) must give the query heads of each KV head one window.
+writes by default) must give the query heads of each KV head one window; one whose
+``granularity`` is ``layer`` must give all the query heads of each layer one window.
 """
 
 from __future__ import annotations
@@ -138,13 +139,17 @@ def check_windows_for(model_or_config, windows: torch.Tensor, meta: dict[str, An
     shape = (expected["num_layers"], expected["num_query_heads"])
     if tuple(windows.shape) != shape:
         raise ValueError(f"{path} holds windows of shape {tuple(windows.shape)}; this model needs {shape}")
-    if meta.get("granularity") == "kv_group":
-        group = shape[1] // expected["num_kv_heads"]
+    granularity = meta.get("granularity")
+    if granularity in ("kv_group", "layer"):
+        groups = expected["num_kv_heads"] if granularity == "kv_group" else 1
+        group = shape[1] // groups
         for layer, row in enumerate(windows.tolist()):
-            for kv in range(expected["num_kv_heads"]):
+            for kv in range(groups):
                 heads = row[kv * group:(kv + 1) * group]
                 if len(set(heads)) > 1:
+                    where = f"the query heads of KV head {kv}" if granularity == "kv_group" else "the query heads"
+                    unit = "a KV group" if granularity == "kv_group" else "a layer"
                     raise ValueError(
-                        f"{path} says granularity kv_group, but in layer {layer} the query heads of KV head {kv} "
-                        f"have different windows {heads} (kv_group gives the heads of a KV group one window)"
+                        f"{path} says granularity {granularity}, but in layer {layer} {where} "
+                        f"have different windows {heads} ({granularity} gives the heads of {unit} one window)"
                     )

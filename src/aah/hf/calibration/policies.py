@@ -46,6 +46,10 @@ With grouped-query attention the windows are decided per KV group by default
 KV cache holds exactly what they read. ``aah_v3`` gives a group the largest window any of its
 heads chose; ``budgeted`` makes each group one knapsack item whose cost counts all of its
 query heads and whose lost mass is the sum over them; ``duo`` ranks and widens whole groups.
+``granularity="layer"`` gives all the query heads of a layer one window: the layer is one item
+(all its heads) of the same knapsack, ``aah_v3`` gives it the largest window of its heads. A
+paged KV cache whose pages hold every KV head of a layer (vLLM's) keeps each layer's largest
+window, so at this granularity the coverage the budget counts is also the KV memory it keeps.
 """
 
 from __future__ import annotations
@@ -94,7 +98,7 @@ __all__ = [
 ]
 
 POLICIES = ("aah_v3", "uniform", "budgeted", "duo")
-GRANULARITIES = ("head", "kv_group")
+GRANULARITIES = ("head", "kv_group", "layer")
 SCOPES = ("layer", "model")
 MEASURES = ("lost_mass", "kl", "kl_retrieval")
 #: The short window of policy ``duo``: DuoAttention's 256 recent tokens (its 64 sinks are ``sink_tokens=64``).
@@ -172,10 +176,12 @@ def check_choice(name: str, value: str, allowed: Sequence[str]) -> None:
 
 
 def _items(num_heads: int, num_kv_heads: int, granularity: str) -> list[list[int]]:
-    """The query heads of each knapsack item of one layer: single heads or KV groups."""
+    """The query heads of each knapsack item of one layer: single heads, KV groups or the whole layer."""
     check_choice("granularity", granularity, GRANULARITIES)
     if granularity == "head":
         return [[h] for h in range(num_heads)]
+    if granularity == "layer":
+        return [list(range(num_heads))]
     per = num_heads // num_kv_heads
     return [list(range(g * per, (g + 1) * per)) for g in range(num_kv_heads)]
 
@@ -196,8 +202,9 @@ def budgeted_windows(
 
     ``lost`` is an (L, H, K) table of what each window loses: the lost mass of
     :func:`measure_lost_mass` or the loss estimate of
-    :func:`~aah.hf.calibration.window_kl.measure_window_kl`. Every item (a head,
-    or a KV group of ``H / num_kv_heads`` heads) takes one candidate; the knapsack is solved
+    :func:`~aah.hf.calibration.window_kl.measure_window_kl`. Every item (a head, a KV group of
+    ``H / num_kv_heads`` heads, or with ``granularity="layer"`` all ``H`` heads of a layer) takes
+    one candidate; the knapsack is solved
     per layer or, with ``scope="model"``, once over all layers. ``layer_windows`` gives each
     layer's own sliding window (``None``: none), so a window is costed as that layer runs it
     (see :func:`_window_pairs`): the coverage spent is the executed one, which
@@ -285,7 +292,8 @@ def duo_full_items(
     windows: torch.Tensor, seq_len: int, *, num_kv_heads: int | None = None, granularity: str = "kv_group"
 ) -> list[list[int]]:
     """``[layer, item]`` of every item whose window reaches ``seq_len`` (the retrieval items of a
-    ``duo`` file), by layer then index; an item is a KV group or, at ``granularity="head"``, a head."""
+    ``duo`` file), by layer then index; an item is a KV group or, at ``granularity="head"``, a head
+    (at ``granularity="layer"`` the layer, item 0)."""
     num_layers, num_heads = windows.shape
     items = _items(num_heads, num_kv_heads or num_heads, granularity)
     return [[layer, i] for layer in range(num_layers) for i, heads in enumerate(items)
@@ -393,8 +401,9 @@ def calibrate(
             retrieval, retrieval_weight, retrieval_reserve, repair_rounds,
         )
     windows = _run_aah_v3(model, modules, batches, heads, seq_len, candidates, seed, progress)
-    if granularity == "kv_group":
-        windows = share_within_kv_groups(windows, kv_heads(model))
+    if granularity in ("kv_group", "layer"):
+        # One group of all the heads is the layer: each layer takes its largest window.
+        windows = share_within_kv_groups(windows, kv_heads(model) if granularity == "kv_group" else 1)
     return windows
 
 

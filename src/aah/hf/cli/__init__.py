@@ -78,7 +78,9 @@ def add_commands(subparsers) -> None:
     add_duo_flags(calibrate)
     add_sink_tokens(calibrate)
     calibrate.add_argument("--batches", type=int, default=4, help="calibration blocks (default 4)")
-    calibrate.add_argument("--granularity", default="kv_group", help="kv_group (default) or head")
+    calibrate.add_argument("--granularity", default="kv_group",
+                           help="one window per KV group (kv_group, default), per query head (head), or per "
+                                "layer (layer: what vLLM's KV memory keeps, each layer's largest window)")
     calibrate.add_argument("--seed", type=int, default=0)
     calibrate.add_argument(
         "--candidates", metavar="W1,W2,...",

@@ -158,7 +158,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
         "repair_rounds": args.repair_rounds if retrieval_flags and args.retrieval_reserve > 0 else None,
     }
     if duo_window:
-        # The retrieval items: [layer, KV group] (or [layer, head] at --granularity head) at --seq-len.
+        # The retrieval items: [layer, KV group] (or [layer, head], [layer, 0] at --granularity head, layer) at --seq-len.
         full = duo_full_items(windows, args.seq_len, num_kv_heads=kv_heads(model), granularity=args.granularity)
         meta.update(retrieval_sequences=args.retrieval_sequences, duo_window=duo_window, duo_full_items=full)
     specs = layer_windows_for(model, windows, args.sink_tokens)
@@ -168,7 +168,7 @@ def calibrate_command(args: argparse.Namespace) -> int:
     save_windows(args.out, windows, meta)
     print(f"{args.policy} windows for {windows.shape[0]} layers x {windows.shape[1]} heads -> {args.out}")
     if duo_window:
-        unit = "KV groups" if args.granularity == "kv_group" else "heads"
+        unit = {"kv_group": "KV groups", "layer": "layers"}.get(args.granularity, "heads")
         print(f"{len(meta['duo_full_items'])} {unit} at full length {args.seq_len}, the rest at window {duo_window}")
     print(f"ACR {meta['acr']:.3f}, causal coverage {meta['causal_coverage']:.3f} as the layers run them "
           f"(with {args.sink_tokens} sinks), peak RSS {format_bytes(peak_rss_bytes())} (model load included)")
