@@ -15,6 +15,14 @@ JSON keys: ``config``; ``vanilla`` and ``aah``, each with ``prefill_tok_s``, ``d
 ``prefill_s`` and ``decode_s`` (every round) and ``startup_s``; top-level ``prefill_speedup``
 and ``decode_speedup`` (``aah`` over ``vanilla``).
 
+``--load`` runs the load mode instead (:mod:`aah.vllm.load`): ``--requests`` prompts of ``--seq-len``
+random tokens, distinct per request (``--shared-prefix K``: their first K tokens the same), each
+generating ``--new-tokens`` tokens, arriving at once or, with ``--rate``, as a Poisson process
+(``--seed``), against each engine with ``max_model_len`` = prompt + output tokens and the same KV
+cache size. Its JSON keys: ``config``; ``vanilla`` and ``aah``, each with the keys of
+:data:`aah.vllm.load.ENGINE_KEYS`; ``ratios`` (``aah`` over ``vanilla`` for
+:data:`aah.vllm.load.RATIO_KEYS`); it prints them as a table.
+
 ``--check`` adds one more round to each engine, a fresh ``--seq-len`` prompt with its prompt
 log-probabilities and 4 greedy tokens, and compares them with transformers in this process
 (``aah.hf``'s patched model for ``aah``, the unpatched model for ``vanilla``): the key
@@ -48,7 +56,7 @@ from ..cli_flags import (
 from ..errors import CLIError
 from .startup import StartupError, WindowsSource, check_windows_file
 
-__all__ = ["add_command", "exactness", "main", "run", "vllm_python"]
+__all__ = ["add_command", "exactness", "format_load_table", "main", "run", "run_load", "vllm_python"]
 
 
 def vllm_python(explicit: str | None = None) -> Path:
@@ -67,24 +75,54 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     add_new_tokens(p)
     add_decode_batch(p)
     p.add_argument("--rounds", type=int, default=3, help="timed rounds of each kind (default 3)")
-    p.add_argument("--kv-cache-gib", type=int, default=4, help="KV cache space of each engine in GiB (default 4)")
+    p.add_argument("--kv-cache-gib", type=float, default=4,
+                   help="KV cache space of each engine in GiB, > 0, fractions allowed (default 4)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help="vLLM's token budget per step for both engines (default: vLLM's); a sliding-window "
+                        "layer reserves its window plus N tokens per request")
     p.add_argument("--vllm-python", default=None, help="interpreter of the vLLM environment (default .venv-vllm)")
     p.add_argument("--check", action="store_true",
                    help="also compare each engine's log-probabilities with transformers (aah.hf for the windows)")
+    load = p.add_argument_group("load mode")
+    load.add_argument("--load", action="store_true",
+                      help="run --requests requests of --seq-len prompt and --new-tokens output tokens against "
+                           "each engine; report vLLM's maximum concurrency, the peak of running requests, "
+                           "output tokens/s, time to first token and end-to-end latency")
+    load.add_argument("--requests", type=int, default=16, help="load: requests (default 16)")
+    load.add_argument("--rate", type=float, default=None,
+                      help="load: Poisson arrivals at this many requests/s (default: all at once)")
+    load.add_argument("--seed", type=int, default=0, help="load: seed of the prompts and arrivals (default 0)")
+    load.add_argument("--shared-prefix", type=int, default=0, metavar="K",
+                      help="load: the first K prompt tokens are the same for every request (default 0: distinct)")
     add_json(p)
 
 
 def add_command(bench_sub: argparse._SubParsersAction) -> None:
     """Add ``vllm`` to the sub-commands of ``aah bench``."""
-    p = bench_sub.add_parser("vllm", help="vanilla vLLM against vLLM with AAH windows (prefill and decode)")
+    p = bench_sub.add_parser("vllm", help="vanilla vLLM against vLLM with AAH windows (prefill and decode, or load)")
     _add_arguments(p)
     p.set_defaults(func=_cli)
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name in ("rounds", "kv_cache_gib"):
+    for name in ("rounds", "requests"):
         if getattr(args, name) < 1:
             raise CLIError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 < args.kv_cache_gib < float("inf"):
+        raise CLIError(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib:g}")
+    if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < 1:
+        raise CLIError(f"--max-num-batched-tokens must be >= 1, got {args.max_num_batched_tokens}")
+    if args.load:
+        if args.check:
+            raise CLIError("--check goes without --load (it checks the prefill and decode rounds)")
+        if args.rate is not None and not 0 < args.rate < float("inf"):
+            raise CLIError(f"--rate must be > 0 requests/s, got {args.rate:g}")
+        if not 0 <= args.shared_prefix < args.seq_len:
+            raise CLIError(f"--shared-prefix must be in [0, --seq-len) = [0, {args.seq_len}), got {args.shared_prefix}")
+    else:
+        for flag, value, default in (("--rate", args.rate, None), ("--shared-prefix", args.shared_prefix, 0)):
+            if value != default:
+                raise CLIError(f"{flag} goes with --load only")
     if not Path(args.model, "config.json").is_file():
         raise CLIError(f"{args.model} is not a model folder (no config.json)")
     try:  # the windows file against the model's layout, before either engine starts
@@ -170,30 +208,94 @@ def _summary(args: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any]
     }
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Run both engines and return the results (see the module docstring for the keys)."""
-    _check(args)
+def _engine_args(args: argparse.Namespace, max_len: int) -> dict[str, Any]:
+    """The engine arguments both engines share: the KV cache size in bytes (``--kv-cache-gib``)."""
+    engine_args = {"max_model_len": max_len, "enable_prefix_caching": True, "disable_log_stats": False,
+                   "kv_cache_memory_bytes": int(args.kv_cache_gib * 2**30)}
+    if args.max_num_batched_tokens is not None:
+        engine_args["max_num_batched_tokens"] = args.max_num_batched_tokens
+    return engine_args
+
+
+def _run_engines(args: argparse.Namespace, work: dict[str, Any]) -> dict[str, Any]:
+    """Run vanilla vLLM and vLLM with the windows on ``work`` (each engine's ``engine_args`` and
+    ``rounds`` or ``load``) in the vLLM environment, one after the other; the runner's results."""
     python = vllm_python(args.vllm_python)
-    config = json.loads(Path(args.model, "config.json").read_text())
-    vocab = int(config["vocab_size"])
-    max_len = args.seq_len + args.new_tokens + 16
-    engine_args = {"max_model_len": max_len, "enable_prefix_caching": True, "disable_log_stats": False}
-    rounds = _engine_rounds(args, vocab)
-    engines = [
-        {"name": "vanilla", "windows": None, "engine_args": engine_args, "rounds": rounds, "kv_cache_gib": args.kv_cache_gib},
-        {"name": "aah", "windows": str(Path(args.windows_file).resolve()), "engine_args": engine_args, "rounds": rounds,
-         "kv_cache_gib": args.kv_cache_gib},
-    ]
+    engines = [{"name": "vanilla", "windows": None, **work},
+               {"name": "aah", "windows": str(Path(args.windows_file).resolve()), **work}]
     with tempfile.TemporaryDirectory() as tmp:
         spec, out = Path(tmp, "spec.json"), Path(tmp, "out.json")
         spec.write_text(json.dumps({"model": str(Path(args.model).resolve()), "engines": engines}))
-        env = {k: v for k, v in os.environ.items() if k != "AAH_WINDOWS"}
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gib)
+        # The KV cache size is an engine argument; vLLM's CPU platform would replace it with this variable.
+        env = {k: v for k, v in os.environ.items() if k not in ("AAH_WINDOWS", "VLLM_CPU_KVCACHE_SPACE")}
         done = subprocess.run([str(python), "-m", "aah.vllm.runner", str(spec), str(out)], env=env,
                               stdout=subprocess.DEVNULL)  # vLLM's log goes to stderr
         if done.returncode:
             raise CLIError(f"the vLLM run failed with exit status {done.returncode} (its log is above)")
-        results = json.loads(out.read_text())
+        return json.loads(out.read_text())
+
+
+def run_load(args: argparse.Namespace) -> dict[str, Any]:
+    """The load mode: both engines on the same requests (see the module docstring for the keys)."""
+    from .load import arrival_offsets, load_prompts, ratios, summarize
+
+    vocab = int(json.loads(Path(args.model, "config.json").read_text())["vocab_size"])
+    load = {"prompts": load_prompts(args.requests, args.seq_len, vocab, args.seed, args.shared_prefix),
+            "arrivals": arrival_offsets(args.requests, args.rate, args.seed), "max_tokens": args.new_tokens}
+    results = _run_engines(args, {"engine_args": _engine_args(args, args.seq_len + args.new_tokens), "load": load})
+    report: dict[str, Any] = {
+        "config": {"model": str(args.model), "windows": args.windows_file, "mode": "load", "requests": args.requests,
+                   "prompt_tokens": args.seq_len, "output_tokens": args.new_tokens,
+                   "max_model_len": args.seq_len + args.new_tokens, "rate": args.rate, "seed": args.seed,
+                   "shared_prefix": args.shared_prefix, "kv_cache_gib": args.kv_cache_gib,
+                   "max_num_batched_tokens": args.max_num_batched_tokens, "dtype": "float32"},
+    }
+    for name in ("vanilla", "aah"):
+        report[name] = summarize(results[name])
+    report["ratios"] = ratios(report["aah"], report["vanilla"])
+    return report
+
+
+#: The rows of the load table: (label, JSON key, format).
+LOAD_ROWS = (
+    ("max concurrency (vLLM)", "max_concurrency", "{:.2f}"),
+    ("peak running requests", "peak_running", "{:d}"),
+    ("output tokens/s", "output_tok_s", "{:.1f}"),
+    ("TTFT median (s)", "ttft_median_s", "{:.3f}"),
+    ("TTFT p99 (s)", "ttft_p99_s", "{:.3f}"),
+    ("E2E median (s)", "e2e_median_s", "{:.3f}"),
+    ("E2E p99 (s)", "e2e_p99_s", "{:.3f}"),
+)
+
+
+def format_load_table(report: dict[str, Any]) -> str:
+    """The load results as a text table: a row per figure, a column per engine and their ratio."""
+    config = report["config"]
+    arrivals = "at once" if config["rate"] is None else f"Poisson at {config['rate']:g}/s"
+    lines = [f"{config['requests']} requests of {config['prompt_tokens']} + {config['output_tokens']} tokens, "
+             f"{arrivals}, KV cache {config['kv_cache_gib']:g} GiB per engine",
+             f"{'':<24}{'vanilla':>12}{'aah':>12}{'aah/vanilla':>13}"]
+
+    def cell(value, fmt: str, width: int) -> str:
+        return f"{'-' if value is None else fmt.format(value):>{width}}"
+
+    for label, key, fmt in LOAD_ROWS:
+        lines.append(f"{label:<24}{cell(report['vanilla'][key], fmt, 12)}{cell(report['aah'][key], fmt, 12)}"
+                     f"{cell(report['ratios'][key], '{:.2f}', 13)}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run both engines and return the results (see the module docstring for the keys)."""
+    _check(args)
+    vllm_python(args.vllm_python)
+    if args.load:
+        return run_load(args)
+    config = json.loads(Path(args.model, "config.json").read_text())
+    vocab = int(config["vocab_size"])
+    rounds = _engine_rounds(args, vocab)
+    results = _run_engines(args, {"engine_args": _engine_args(args, args.seq_len + args.new_tokens + 16),
+                                  "rounds": rounds})
     report: dict[str, Any] = {
         "config": {"model": str(args.model), "windows": args.windows_file, "seq_len": args.seq_len,
                    "new_tokens": args.new_tokens, "decode_batch": args.decode_batch, "rounds": args.rounds,
@@ -215,7 +317,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _cli(args: argparse.Namespace) -> int:
     report = run(args)
-    if args.json != "-":
+    if args.load:  # the table, on stderr when stdout carries the JSON
+        print(format_load_table(report), file=sys.stderr if args.json == "-" else sys.stdout)
+    elif args.json != "-":
         print(json.dumps(report, indent=2))
     write_json(args.json, report)
     return 0

@@ -18,6 +18,12 @@ name to
 "logprobs": [float]}``: the greedy tokens and their log-probabilities (with
 ``"disable_log_stats": false`` among the engine arguments also ``first_token_ts`` and
 ``last_token_ts``, the engine's monotonic times of the first and last generated token).
+
+An engine with ``"load": {"prompts": [[ids]...], "arrivals": [s...], "max_tokens": int}`` in place
+of ``rounds`` runs those requests at their arrival times on an engine it steps itself
+(:func:`aah.vllm.load.run_load`); its ``OUT.json`` entry is that function's result. An engine whose
+``engine_args`` name ``kv_cache_memory_bytes`` gets that KV cache size (``VLLM_CPU_KVCACHE_SPACE``,
+which vLLM's CPU platform would put in its place, is unset for it).
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ __all__ = ["run_engine", "main"]
 
 
 def run_engine(model: str, engine: dict[str, Any]) -> dict[str, Any]:
-    """Start one engine, run its prompts ``rounds`` times, shut it down."""
+    """Start one engine, run its ``rounds`` (or its ``load``) on it, shut it down."""
     from vllm.inputs import TokensPrompt
 
     from vllm import LLM, SamplingParams
@@ -47,7 +53,16 @@ def run_engine(model: str, engine: dict[str, Any]) -> dict[str, Any]:
         os.environ[ENV_VAR] = str(engine["windows"])
     elif "windows" in engine:  # vanilla, even where the model's config.json names a windows file
         args["hf_overrides"] = {CONFIG_KEY: None, **args.get("hf_overrides", {})}
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(engine.get("kv_cache_gib", 1)))
+    if "kv_cache_memory_bytes" in args:  # the CPU platform would replace it with the variable's GiB
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    else:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(engine.get("kv_cache_gib", 1)))
+    if "load" in engine:
+        from .load import run_load
+
+        result = run_load(model, args, engine["load"])
+        _free()
+        return result
     started = time.perf_counter()
     llm = LLM(model=model, **args)
     startup = time.perf_counter() - started
