@@ -71,7 +71,7 @@ def test_own_runs_the_layers_own_windows_and_equals_unpatched_transformers():
     assert own.windows.tolist() == [[SLIDING] * 4, [T] * 4, [SLIDING] * 4] and own.sink_tokens == 0
     settings = [Setting("full", None), own, Setting("aah", AAH, SINKS)]
     results = evaluate_settings(model, settings, blocks, decode_batch=2, new_tokens=4, rounds=1, progress=False,
-                                served_chunk=5)
+                                chunk_rows=5)
     assert list(results) == ["full", "own", "aah"]
     for key in ("block_nll", "served_block_nll"):
         assert results["own"][key] == pytest.approx(plain, abs=1e-6)

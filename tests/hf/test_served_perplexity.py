@@ -92,7 +92,7 @@ def test_evaluate_reports_served_perplexity_beside_perplexity(llama):
     settings = [Setting("full", None), aah, Setting("windows", WINDOWS, 2)]
     blocks = _blocks(3)
     results = evaluate_settings(model, settings, blocks, decode_batch=2, new_tokens=3, rounds=1, progress=False,
-                                served_chunk=5)
+                                chunk_rows=5)
     for name in ("full", "windows"):
         assert results[name]["served_block_nll"] == pytest.approx(results[name]["block_nll"], abs=2e-6)
         assert results[name]["served_ppl"] == pytest.approx(results[name]["ppl"], rel=1e-5)

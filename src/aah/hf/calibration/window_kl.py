@@ -44,7 +44,13 @@ from ...controller.features import sample_query_positions
 from ...windows import visible
 from ..bridge.patch import recording
 from ..bridge.spec import attention_modules, layer_sinks, layer_sliding_window
-from ..evaluation.compare import HEAD_CHUNK_ROWS, check_head, final_hidden, head_logits
+from ..evaluation.compare import (
+    HEAD_CHUNK_ROWS,
+    check_chunk_rows,
+    check_head,
+    final_hidden,
+    head_logits,
+)
 
 __all__ = ["window_output_change", "measure_window_kl"]
 
@@ -162,8 +168,7 @@ def measure_window_kl(
     The LM head computes ``chunk_rows`` rows of logits at a time (:func:`_backward_next_token_loss`):
     a block's logits never exist at once.
     """
-    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
-        raise ValueError(f"chunk_rows must be an integer >= 1, got {chunk_rows!r}")
+    check_chunk_rows(chunk_rows)
     modules = attention_modules(model)
     seq_len = int(batches[0].shape[-1])
     positions = sample_query_positions(seq_len, num_queries, 0)

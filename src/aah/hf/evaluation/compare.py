@@ -57,7 +57,7 @@ from ..bridge.spec import (
 )
 
 __all__ = [
-    "HEAD_CHUNK_ROWS", "Setting", "block_nll", "check_head", "chunked_nll", "evaluate_settings", "final_hidden",
+    "HEAD_CHUNK_ROWS", "Setting", "block_nll", "check_chunk_rows", "check_head", "chunked_nll", "evaluate_settings", "final_hidden",
     "has_own_windows", "head_logits", "last_logits", "markdown_table", "own_setting", "perplexity",
     "served_block_nll", "summary", "uniform_setting",
 ]
@@ -65,8 +65,6 @@ __all__ = [
 #: Rows of a block whose logits :func:`block_nll` and :func:`served_block_nll` compute at once by
 #: default (with a vocabulary of 262k, 256 float rows are 268 MB).
 HEAD_CHUNK_ROWS = 256
-#: The former name of :data:`HEAD_CHUNK_ROWS`.
-SERVED_CHUNK_ROWS = HEAD_CHUNK_ROWS
 
 
 @dataclass(frozen=True)
@@ -180,7 +178,8 @@ def check_head(model, computed: torch.Tensor, own: torch.Tensor) -> None:
         )
 
 
-def _check_chunk_rows(chunk_rows) -> None:
+def check_chunk_rows(chunk_rows) -> None:
+    """``ValueError`` unless ``chunk_rows`` (rows of logits computed at once) is an integer >= 1."""
     if not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1:
         raise ValueError(f"chunk_rows must be an integer >= 1, got {chunk_rows!r}")
 
@@ -200,7 +199,7 @@ def final_hidden(model) -> Iterator[list[torch.Tensor]]:
 def chunked_nll(model, hidden: torch.Tensor, labels: torch.Tensor, *, chunk_rows: int = HEAD_CHUNK_ROWS) -> float:
     """Summed negative log-likelihood of ``labels`` (N,) from final hidden states ``hidden`` (N, hidden
     size), the logits computed by :func:`head_logits` ``chunk_rows`` rows at a time."""
-    _check_chunk_rows(chunk_rows)
+    check_chunk_rows(chunk_rows)
     total = 0.0
     for start in range(0, hidden.shape[0], chunk_rows):
         stop = min(hidden.shape[0], start + chunk_rows)
@@ -215,7 +214,7 @@ def _block_losses(model, blocks: torch.Tensor, forward: Callable[[torch.Tensor],
     returns its own logits of the last position, which :func:`head_logits` of the captured final
     hidden states must reproduce; the loss of every other position comes from those hidden states
     ``chunk_rows`` rows at a time."""
-    _check_chunk_rows(chunk_rows)
+    check_chunk_rows(chunk_rows)
     out = []
     with final_hidden(model) as captured:
         for block in tqdm(blocks, desc=desc, disable=desc is None, leave=False):
@@ -258,22 +257,22 @@ def evaluate_settings(
     new_tokens: int = 16,
     rounds: int = 3,
     progress: bool = True,
-    served_chunk: int = SERVED_CHUNK_ROWS,
+    chunk_rows: int = HEAD_CHUNK_ROWS,
 ) -> dict[str, dict]:
     """Per-setting ``ppl``, ``block_nll``, ``served_ppl``, ``served_block_nll``, ``prefill_tok_s``,
     ``decode_tok_s``, ``decode_route``, ``kv_bytes``, ``acr``, ``causal_coverage``, ``executed_coverage``.
     A setting's kept keys (:mod:`aah.hf.bridge.kept_keys`) count in its coverage figures, timings, KV
     bytes and served perplexity (:func:`served_block_nll`); its perplexity ``ppl`` reads the blocks
     without a cache (:func:`block_nll`), so with the windows alone. Both perplexities compute
-    ``served_chunk`` rows of logits at a time."""
+    ``chunk_rows`` rows of logits at a time."""
     seq_len = blocks.shape[1]
     if new_tokens < 1 or new_tokens >= seq_len:
         raise ValueError(f"new_tokens must be in [1, {seq_len - 1}], got {new_tokens}")
     results: dict[str, dict] = {}
     for setting in settings:
         setting.apply(model)
-        nll = block_nll(model, blocks, chunk_rows=served_chunk, desc=f"perplexity {setting.name}" if progress else None)
-        served = served_block_nll(model, setting, blocks, chunk_rows=served_chunk,
+        nll = block_nll(model, blocks, chunk_rows=chunk_rows, desc=f"perplexity {setting.name}" if progress else None)
+        served = served_block_nll(model, setting, blocks, chunk_rows=chunk_rows,
                                   desc=f"served perplexity {setting.name}" if progress else None)
         results[setting.name] = {"ppl": nll_perplexity(nll), "block_nll": nll,
                                  "served_ppl": nll_perplexity(served), "served_block_nll": served}
