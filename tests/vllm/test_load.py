@@ -15,10 +15,10 @@ from aah.vllm.load import (
     ENGINE_KEYS,
     RATIO_KEYS,
     arrival_offsets,
-    load_prompts,
     percentile,
     ratios,
     summarize,
+    token_prompts,
 )
 
 from .test_plugin import _bench_model, _tiny_model, _vllm_unavailable, _windows_file
@@ -55,14 +55,14 @@ def test_arrivals_at_once_or_poisson_at_a_rate():
 
 
 def test_prompts_are_distinct_unless_a_prefix_is_shared():
-    prompts = load_prompts(6, 40, 50, seed=1)
+    prompts = token_prompts(6, 40, 50, seed=1)
     assert len(prompts) == 6 and all(len(p) == 40 and max(p) < 50 for p in prompts)
     assert len({tuple(p[:16]) for p in prompts}) == 6  # no two share even their first block
-    assert prompts == load_prompts(6, 40, 50, seed=1)
-    shared = load_prompts(6, 40, 50, seed=1, shared_prefix=32)
+    assert prompts == token_prompts(6, 40, 50, seed=1)
+    shared = token_prompts(6, 40, 50, seed=1, shared_prefix=32)
     assert len({tuple(p[:32]) for p in shared}) == 1 and len({tuple(p[32:]) for p in shared}) == 6
     with pytest.raises(ValueError, match="shared prefix"):
-        load_prompts(2, 40, 50, seed=1, shared_prefix=40)
+        token_prompts(2, 40, 50, seed=1, shared_prefix=40)
 
 
 def _engine_result(scale: float, peak: int, concurrency: float) -> dict:

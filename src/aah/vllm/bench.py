@@ -54,6 +54,7 @@ from ..cli_flags import (
     write_json,
 )
 from ..errors import CLIError
+from .load import token_prompts
 from .startup import StartupError, WindowsSource, check_windows_file
 
 __all__ = ["add_command", "exactness", "format_load_table", "main", "run", "run_load", "vllm_python"]
@@ -135,25 +136,20 @@ def _check(args: argparse.Namespace) -> None:
         raise CLIError(str(exc).removeprefix("aah.vllm: ")) from None
 
 
-def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(count)]
-
-
 #: Greedy tokens generated after the prompt of ``--check``.
 CHECK_TOKENS = 4
 
 
 def _engine_rounds(args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
-    rounds = [{"prompts": _prompts(1, 64, vocab, 0), "max_tokens": 2}]  # warm-up
+    rounds = [{"prompts": token_prompts(1, 64, vocab, 0), "max_tokens": 2}]  # warm-up
     for r in range(args.rounds):
-        rounds.append({"prompts": _prompts(1, args.seq_len, vocab, 100 + r), "max_tokens": 1})
+        rounds.append({"prompts": token_prompts(1, args.seq_len, vocab, 100 + r), "max_tokens": 1})
     for r in range(args.rounds):
-        prompts = _prompts(args.decode_batch, args.seq_len, vocab, 200 + r)
+        prompts = token_prompts(args.decode_batch, args.seq_len, vocab, 200 + r)
         rounds.append({"prompts": prompts, "max_tokens": 1})
         rounds.append({"prompts": prompts, "max_tokens": args.new_tokens})
     if args.check:
-        rounds.append({"prompts": _prompts(1, args.seq_len, vocab, 300), "max_tokens": CHECK_TOKENS,
+        rounds.append({"prompts": token_prompts(1, args.seq_len, vocab, 300), "max_tokens": CHECK_TOKENS,
                        "prompt_logprobs": True})
     return rounds
 
@@ -237,10 +233,10 @@ def _run_engines(args: argparse.Namespace, work: dict[str, Any]) -> dict[str, An
 
 def run_load(args: argparse.Namespace) -> dict[str, Any]:
     """The load mode: both engines on the same requests (see the module docstring for the keys)."""
-    from .load import arrival_offsets, load_prompts, ratios, summarize
+    from .load import arrival_offsets, ratios, summarize
 
     vocab = int(json.loads(Path(args.model, "config.json").read_text())["vocab_size"])
-    load = {"prompts": load_prompts(args.requests, args.seq_len, vocab, args.seed, args.shared_prefix),
+    load = {"prompts": token_prompts(args.requests, args.seq_len, vocab, args.seed, args.shared_prefix),
             "arrivals": arrival_offsets(args.requests, args.rate, args.seed), "max_tokens": args.new_tokens}
     results = _run_engines(args, {"engine_args": _engine_args(args, args.seq_len + args.new_tokens), "load": load})
     report: dict[str, Any] = {

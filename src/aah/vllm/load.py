@@ -12,8 +12,9 @@ per request from the engine's cache configuration (``kv_cache_max_concurrency``,
 ``vllm/v1/core/kv_cache_utils.py``, the figure of vLLM's start-up line "Maximum concurrency for N
 tokens per request").
 
-The helpers (:func:`percentile`, :func:`arrival_offsets`, :func:`load_prompts`,
-:func:`summarize`) import no vLLM.
+The helpers (:func:`percentile`, :func:`arrival_offsets`, :func:`token_prompts`,
+:func:`summarize`) import no vLLM; :func:`token_prompts` also draws the prompts of the bench's
+prefill and decode rounds.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["ENGINE_KEYS", "RATIO_KEYS", "arrival_offsets", "load_prompts", "percentile", "ratios", "run_load",
-           "summarize"]
+__all__ = ["ENGINE_KEYS", "RATIO_KEYS", "arrival_offsets", "percentile", "ratios", "run_load", "summarize",
+           "token_prompts"]
 
 #: The keys of each engine's load results in ``aah bench vllm --load``'s JSON.
 ENGINE_KEYS = (
@@ -73,7 +74,7 @@ def arrival_offsets(count: int, rate: float | None, seed: int = 0) -> list[float
     return offsets
 
 
-def load_prompts(count: int, length: int, vocab: int, seed: int, shared_prefix: int = 0) -> list[list[int]]:
+def token_prompts(count: int, length: int, vocab: int, seed: int, shared_prefix: int = 0) -> list[list[int]]:
     """``count`` token prompts of ``length`` random ids in ``[0, vocab)``, distinct per request (so
     prefix caching shares none of them); with ``shared_prefix`` > 0 their first ``shared_prefix``
     tokens are the same for all (a prefix the cache can share), the rest distinct."""
