@@ -511,6 +511,10 @@ def test_bench_check_compares_each_engine_with_transformers(tmp_path, byte_bpe):
     report = exactness(model_dir, windows, prompt, requests)
     for name in ("vanilla", "aah"):
         assert report[name]["max_abs_logprob_diff"] < 1e-9 and report[name]["greedy_equal"]
+        # float32 against the same model in float64: small, not zero, and the same as transformers' own
+        assert 0 < report[name]["float64_max_abs_logprob_diff"] < 1e-4
+        assert report[name]["float64_max_abs_logprob_diff"] == pytest.approx(
+            report[name]["transformers_float32_max_abs_logprob_diff"], abs=1e-9)
     # each engine is judged against its own reference: the windowed answers are not full attention's
     swapped = exactness(model_dir, windows, prompt, {"vanilla": requests["aah"], "aah": requests["vanilla"]})
     assert swapped["vanilla"]["max_abs_logprob_diff"] > 1e-3 and swapped["aah"]["max_abs_logprob_diff"] > 1e-3
@@ -518,6 +522,7 @@ def test_bench_check_compares_each_engine_with_transformers(tmp_path, byte_bpe):
     requests["aah"]["tokens"][-1] = (requests["aah"]["tokens"][-1] + 1) % E2E_VOCAB
     report = exactness(model_dir, windows, prompt, requests)
     assert report["aah"]["max_abs_logprob_diff"] >= 0.01 - 1e-9
+    assert report["aah"]["float64_max_abs_logprob_diff"] >= 0.01 - 1e-4
     assert not report["aah"]["greedy_equal"] and report["vanilla"]["greedy_equal"]
 
 

@@ -27,7 +27,9 @@ cache size. Its JSON keys: ``config``; ``vanilla`` and ``aah``, each with the ke
 log-probabilities and 4 greedy tokens, and compares them with transformers in this process
 (``aah.hf``'s patched model for ``aah``, the unpatched model for ``vanilla``): the key
 ``exactness`` holds, per engine, ``max_abs_logprob_diff`` and ``mean_abs_logprob_diff`` over
-the prompt and generated tokens, and ``greedy_equal``.
+the prompt and generated tokens against the model in float32, ``greedy_equal``, and the same
+differences against the model in float64 (``float64_max_abs_logprob_diff``, ...; see
+:func:`exactness`).
 """
 
 from __future__ import annotations
@@ -157,31 +159,48 @@ def _engine_rounds(args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]
 def exactness(model_dir: str | Path, windows: str | Path, prompt: list[int],
               requests: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Compare each engine's request (``prompt_logprobs``, ``tokens``, ``logprobs``, as
-    :mod:`aah.vllm.runner` writes them) on ``prompt`` with transformers in float32: ``aah``
-    with ``aah.hf``'s patched model on ``windows``, ``vanilla`` with the unpatched model."""
-    from .. import hf
-    from ..hf._transformers import require
-
-    transformers = require()
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    :mod:`aah.vllm.runner` writes them) on ``prompt`` with transformers: ``aah`` with ``aah.hf``'s
+    patched model on ``windows``, ``vanilla`` with the unpatched model. Against the model in float32:
+    ``max_abs_logprob_diff``, ``mean_abs_logprob_diff`` and ``greedy_equal``; against the same model
+    in float64 (the true values of its attention): ``float64_max_abs_logprob_diff`` and
+    ``float64_mean_abs_logprob_diff``, with transformers' own float32 distance from it beside them
+    (``transformers_float32_max_abs_logprob_diff``), the yardstick of float32 arithmetic alone."""
     report = {}
     for name in ("vanilla", "aah"):
         if name not in requests:
             continue
-        if name == "aah":
-            hf.patch(model, str(windows))
         request = requests[name]
         sequence = list(prompt) + list(request["tokens"])
-        with torch.no_grad():
-            logp = model(torch.tensor([sequence])).logits[0].double().log_softmax(-1)
-        picked = logp[:-1].gather(1, torch.tensor(sequence[1:])[:, None])[:, 0]
+        patched = windows if name == "aah" else None
+        logp32 = _reference_logprobs(model_dir, patched, sequence, torch.float32)
+        logp64 = _reference_logprobs(model_dir, patched, sequence, torch.float64)
+        targets = torch.tensor(sequence[1:])[:, None]
+        picked32, picked64 = (lp[:-1].gather(1, targets)[:, 0] for lp in (logp32, logp64))
         got = torch.tensor(request["prompt_logprobs"] + request["logprobs"], dtype=torch.float64)
-        diff = (got - picked[: len(got)]).abs()
+        diff32, diff64 = ((got - picked[: len(got)]).abs() for picked in (picked32, picked64))
         n = len(prompt)
-        greedy = logp[n - 1 : n - 1 + len(request["tokens"])].argmax(-1).tolist()
-        report[name] = {"max_abs_logprob_diff": float(diff.max()), "mean_abs_logprob_diff": float(diff.mean()),
-                        "greedy_equal": greedy == list(request["tokens"])}
+        greedy = logp32[n - 1 : n - 1 + len(request["tokens"])].argmax(-1).tolist()
+        report[name] = {"max_abs_logprob_diff": float(diff32.max()), "mean_abs_logprob_diff": float(diff32.mean()),
+                        "greedy_equal": greedy == list(request["tokens"]),
+                        "float64_max_abs_logprob_diff": float(diff64.max()),
+                        "float64_mean_abs_logprob_diff": float(diff64.mean()),
+                        "transformers_float32_max_abs_logprob_diff":
+                            float((picked32 - picked64)[: len(got)].abs().max())}
     return report
+
+
+def _reference_logprobs(model_dir: str | Path, windows: str | Path | None, sequence: list[int],
+                        dtype: torch.dtype) -> torch.Tensor:
+    """Log-probabilities (float64, one row per position) of transformers' model loaded in ``dtype``
+    on ``sequence``, patched with the windows file ``windows`` unless it is ``None``."""
+    from .. import hf
+    from ..hf._transformers import require
+
+    model = require().AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    if windows is not None:
+        hf.patch(model, str(windows))
+    with torch.no_grad():
+        return model(torch.tensor([sequence])).logits[0].double().log_softmax(-1)
 
 
 def _summary(args: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any]:
