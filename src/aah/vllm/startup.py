@@ -32,7 +32,8 @@ from ..hf.bridge.windows_file import check_windows_for, load_windows
 from .plan import CONFIG_KEY, ENV_VAR, resolve_windows_path
 
 __all__ = [
-    "CLI_CONTEXTS", "WINDOWS_TENSORS", "StartupError", "WindowsSource", "check_engine_config", "check_settings",
+    "CLI_CONTEXTS", "CUDA_ATTENTION_BACKEND", "DECODER_KINDS", "WINDOWS_TENSORS", "StartupError", "WindowsSource",
+    "attention_backend_setting", "check_engine_config", "check_settings",
     "check_windows_file", "drop_windows_files", "engine_windows_source", "install", "is_windows_file", "model_folder",
     "windows_source",
 ]
@@ -118,9 +119,21 @@ def check_windows_file(source: WindowsSource, hf_config: Any) -> tuple[torch.Ten
 
 def check_settings(source: WindowsSource, *, platform: str, kv_cache_dtype: str | None, use_mla: bool = False,
                    encoder_decoder: bool = False, attention_free: bool = False,
-                   draft_model: str | None = None) -> None:
-    """Refuse engine settings the plugin cannot serve with windows (:class:`StartupError`)."""
-    if platform != "cpu":
+                   draft_model: str | None = None, attention_backend: str | None = None) -> None:
+    """Refuse engine settings the plugin cannot serve with windows (:class:`StartupError`).
+
+    ``attention_backend`` is what :func:`attention_backend_setting` says of the engine's
+    attention backend; it matters on the ``cuda`` platform only, where the windows run as
+    :data:`CUDA_ATTENTION_BACKEND` (:mod:`aah.vllm.cuda_backend`, not run on a GPU yet).
+    """
+    if platform == "cuda":
+        if attention_backend != CUDA_ATTENTION_BACKEND:
+            raise source.refuse(
+                f"cannot be served on vLLM's cuda platform: AAH windows run on vLLM's CPU platform only through "
+                f"CPU_ATTN, and on cuda only through {CUDA_ATTENTION_BACKEND}; the attention backend here is "
+                f"{attention_backend or 'left to vLLM (--attention-backend not given)'}: pass --attention-backend "
+                f"{CUDA_ATTENTION_BACKEND} (attention_backend=\"{CUDA_ATTENTION_BACKEND}\" in vllm.LLM)")
+    elif platform != "cpu":
         raise source.refuse(f"cannot be served on vLLM's {platform} platform: AAH windows run on vLLM's CPU "
                             f"platform only; unset {ENV_VAR} (and the config key \"{CONFIG_KEY}\")")
     if kv_cache_dtype not in (None, "auto"):
@@ -128,7 +141,7 @@ def check_settings(source: WindowsSource, *, platform: str, kv_cache_dtype: str 
                             "unquantised KV cache; use kv_cache_dtype='auto'")
     if use_mla:
         raise source.refuse("cannot be served with this model's multi-head latent attention (MLA): AAH windows "
-                            "run vLLM's CPU_ATTN backend only")
+                            "run vLLM's CPU_ATTN backend (FLEX_ATTENTION on cuda) only")
     if encoder_decoder:
         raise source.refuse("cannot be served with an encoder-decoder model: AAH windows run causal decoder "
                             "attention only")
@@ -137,6 +150,32 @@ def check_settings(source: WindowsSource, *, platform: str, kv_cache_dtype: str 
     if draft_model is not None:
         raise source.refuse(f"cannot be served with speculative decoding by a draft model ({draft_model}): the "
                             "windows are the served model's only")
+
+
+#: The attention backend the windows run as on vLLM's ``cuda`` platform.
+CUDA_ATTENTION_BACKEND = "FLEX_ATTENTION"
+#: The kinds of vLLM's per-kind backend overrides (``attention_config.backend_per_kind``) that a
+#: decoder layer the windows run in may have.
+DECODER_KINDS = ("full_attention", "sliding_window")
+
+
+def attention_backend_setting(attention_config: Any) -> str | None:
+    """The attention backend vLLM's ``attention_config`` names for decoder layers, as one string.
+
+    ``attention_config.backend`` (``--attention-backend``; ``None`` when vLLM chooses), or, when a
+    per-kind override (``attention_config.backend_per_kind``) of a decoder kind names another
+    backend, that one with the setting that names it.
+    """
+    def name(backend: Any) -> str | None:
+        return None if backend is None else str(getattr(backend, "name", backend))
+
+    default = name(getattr(attention_config, "backend", None))
+    per_kind = getattr(attention_config, "backend_per_kind", None) or {}
+    for kind in DECODER_KINDS:
+        chosen = name(per_kind.get(kind))
+        if chosen is not None and chosen != default:
+            return f"{chosen} (attention_config.backend_per_kind[{kind!r}])"
+    return default
 
 
 def engine_windows_source(model_config: Any) -> WindowsSource | None:
@@ -167,9 +206,11 @@ def check_engine_config(vllm_config: Any) -> WindowsSource | None:
                    use_mla=bool(getattr(model_config, "use_mla", False)),
                    encoder_decoder=bool(getattr(model_config, "is_encoder_decoder", False)),
                    attention_free=bool(getattr(model_config, "is_attention_free", False)),
-                   draft_model=None if draft is None else str(getattr(draft, "model", draft)))
+                   draft_model=None if draft is None else str(getattr(draft, "model", draft)),
+                   attention_backend=attention_backend_setting(getattr(vllm_config, "attention_config", None)))
     check_windows_file(source, model_config.hf_config)
-    _check_page_layout(source, vllm_config)
+    if platform == "cpu":
+        _check_page_layout(source, vllm_config)
     return source
 
 
