@@ -300,7 +300,6 @@ def startup(windows_file, config):
 
 
 def forward(batches, page):
-    import vllm.distributed
     from torch.nn.attention.flex_attention import flex_attention
     from vllm.v1.attention.backend import AttentionType
     from vllm.v1.attention.backends import flex_attention as vf
@@ -311,12 +310,9 @@ def forward(batches, page):
     # torch 2.13's CPU FlexAttention template fails to build with the dynamic shapes vLLM's compiled
     # flex_attention takes on its second shape; one static compilation per shape here.
     vf.flex_attention_compiled = torch.compile(flex_attention, dynamic=False)
-    vllm.distributed.get_tensor_model_parallel_world_size = lambda: 1
-    vllm.distributed.get_tensor_model_parallel_rank = lambda: 0
     heads, kv_heads, dim, scale, sinks = 4, 2, 16, 0.25, 4
     windows = torch.tensor([[1000] * heads, [16, 3, 5, 64]])
-    cuda_backend.get_current_vllm_config = lambda: SimpleNamespace(model_config=SimpleNamespace(
-        hf_config=SimpleNamespace(num_key_value_heads=kv_heads, num_attention_heads=heads)))
+    cuda_backend.model_kv_heads_and_rank = lambda: (kv_heads, 1, 0)  # the model's KV heads, one rank
     out = {"refusals": {}, "steps": []}
     for served in (ServedWindows(Path("w.safetensors"), windows, sinks), None):
         cuda_backend.served_windows = lambda served=served: served

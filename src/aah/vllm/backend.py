@@ -38,7 +38,10 @@ from .paged import Batch, PagedKV, windowed_attention
 from .plan import LayerPlan, plan_layer
 from .startup import WindowsSource, check_windows_file, engine_windows_source
 
-__all__ = ["AAHCPUAttentionBackend", "AAHCPUAttentionImpl", "AAHCPUAttentionMetadataBuilder", "served_windows"]
+__all__ = [
+    "AAHCPUAttentionBackend", "AAHCPUAttentionImpl", "AAHCPUAttentionMetadataBuilder", "model_kv_heads_and_rank",
+    "refuse_settings", "served_layer_plan", "served_windows",
+]
 
 
 class ServedWindows:
@@ -67,6 +70,44 @@ def served_windows() -> ServedWindows | None:
     return _load(source, id(model_config.hf_config))
 
 
+
+def refuse_settings(served: ServedWindows, refusals: dict[str, tuple[bool, str]]) -> None:
+    """Stop with one line naming the first setting in ``refusals`` (``name: (bad, what)``) that is
+    ``bad``, for a layer that serves the windows of ``served``."""
+    for name, (bad, what) in refusals.items():
+        if bad:
+            raise ValueError(f"aah.vllm: AAH windows ({served.path}) cannot run with {name}: {what}")
+
+
+def model_kv_heads_and_rank() -> tuple[int, int, int]:
+    """The model's KV heads over all ranks, the tensor-parallel size and this worker's rank."""
+    from vllm.distributed import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+
+    hf_config = get_current_vllm_config().model_config.hf_config
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    return kv_heads, get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+
+
+def served_layer_plan(served: ServedWindows, layer, *, num_heads: int, kv_heads: int, tp_size: int, rank: int,
+                      layer_window: int | None) -> LayerPlan:
+    """The plan of ``layer`` (windows of this rank's ``num_heads`` query heads, sinks; its own
+    sliding window ``layer_window`` or ``None``), with one line if the file does not fit it."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    index = extract_layer_index(layer.layer_name)
+    if not 0 <= index < served.windows.shape[0]:
+        raise ValueError(f"aah.vllm: layer {layer.layer_name} has index {index}; the windows file has "
+                         f"{served.windows.shape[0]} layers")
+    plan = plan_layer(served.windows[index], num_kv_heads=kv_heads, sink_tokens=served.sink_tokens,
+                      layer_window=layer_window, tp_size=tp_size, rank=rank)
+    if len(plan.windows) != num_heads:
+        raise ValueError(f"aah.vllm: layer {layer.layer_name} runs {num_heads} query heads on this rank, "
+                         f"the windows file gives it {len(plan.windows)}")
+    return plan
+
 class AAHCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
     """vLLM's CPU metadata builder; with windows, it checks the cache layout and dtype at start-up."""
 
@@ -94,43 +135,22 @@ class AAHCPUAttentionImpl(CPUAttentionBackendImpl):
         self._plan: LayerPlan | None = None
         if self.served is None:
             return
-        refusals = {
+        refuse_settings(self.served, {
             "attention type": (attn_type != AttentionType.DECODER, f"{attn_type} (only decoder attention)"),
             "ALiBi slopes": (alibi_slopes is not None, "set"),
             "logit soft-capping": (bool(logits_soft_cap), f"{logits_soft_cap}"),
             "learned attention sinks": (sinks is not None, "set"),
             "KV sharing across layers": (kv_sharing_target_layer_name is not None, f"{kv_sharing_target_layer_name}"),
             "KV cache dtype": (self.is_fp8_kv_cache, f"{kv_cache_dtype} (use 'auto')"),
-        }
-        for name, (bad, what) in refusals.items():
-            if bad:
-                raise ValueError(f"aah.vllm: AAH windows ({self.served.path}) cannot run with {name}: {what}")
-        from vllm.distributed import (
-            get_tensor_model_parallel_rank,
-            get_tensor_model_parallel_world_size,
-        )
-
-        hf_config = get_current_vllm_config().model_config.hf_config
-        self._global_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-        self._tp = (get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank())
+        })
+        self._global_kv_heads, *self._tp = model_kv_heads_and_rank()
 
     def _layer_plan(self, layer) -> LayerPlan:
         if self._plan is None:
-            from vllm.model_executor.models.utils import extract_layer_index
-
-            index = extract_layer_index(layer.layer_name)
-            if not 0 <= index < self.served.windows.shape[0]:
-                raise ValueError(f"aah.vllm: layer {layer.layer_name} has index {index}; the windows file has "
-                                 f"{self.served.windows.shape[0]} layers")
-            plan = plan_layer(
-                self.served.windows[index], num_kv_heads=self._global_kv_heads, sink_tokens=self.served.sink_tokens,
-                layer_window=self.sliding_window if self.sliding_window > 0 else None,
+            self._plan = served_layer_plan(
+                self.served, layer, num_heads=self.num_heads, kv_heads=self._global_kv_heads,
                 tp_size=self._tp[0], rank=self._tp[1],
-            )
-            if len(plan.windows) != self.num_heads:
-                raise ValueError(f"aah.vllm: layer {layer.layer_name} runs {self.num_heads} query heads on this rank, "
-                                 f"the windows file gives it {len(plan.windows)}")
-            self._plan = plan
+                layer_window=self.sliding_window if self.sliding_window > 0 else None)
         return self._plan
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from ..windows import visible
-from .plan import LayerPlan, plan_layer
+from .plan import LayerPlan
 
 __all__ = [
     "AAHFlexAttentionBackend", "AAHFlexAttentionImpl", "AAHFlexAttentionMetadataBuilder", "layer_block_mask",
@@ -169,13 +169,13 @@ except ImportError as exc:  # the functions above still work
 
 
 if vllm_flex is not None:
-    from vllm.config import get_current_vllm_config, get_layers_from_vllm_config
+    from vllm.config import get_layers_from_vllm_config
     from vllm.model_executor.layers.attention import Attention
     from vllm.v1.attention.backend import AttentionType
 
     from vllm import envs
 
-    from .backend import served_windows
+    from .backend import model_kv_heads_and_rank, refuse_settings, served_layer_plan, served_windows
 
     def window_metadata(metadata: Any, hint: Any) -> Any:
         """A step's FlexAttention metadata for windowed layers: its block mask rebuilt as vLLM's direct
@@ -208,41 +208,20 @@ if vllm_flex is not None:
             self.plan: LayerPlan | None = None
             if self.served is None:
                 return
-            refusals = {
+            refuse_settings(self.served, {
                 "attention type": (self.attn_type != AttentionType.DECODER, f"{self.attn_type} (only decoder attention)"),
                 "learned attention sinks": (kwargs.get("sinks") is not None, "set"),
                 "an output transform": (self.out_transform is not None, "set"),
-            }
-            for name, (bad, what) in refusals.items():
-                if bad:
-                    raise ValueError(f"aah.vllm: AAH windows ({self.served.path}) cannot run with {name}: {what}")
-            from vllm.distributed import (
-                get_tensor_model_parallel_rank,
-                get_tensor_model_parallel_world_size,
-            )
-
-            hf_config = get_current_vllm_config().model_config.hf_config
-            self._global_kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-            self._tp = (get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank())
+            })
+            self._global_kv_heads, *self._tp = model_kv_heads_and_rank()
 
         def prepare(self, layer, device) -> LayerPlan:
             """The layer's plan (windows of this rank's query heads, sinks) and its mask on
             ``device``, made once; the builder calls it before any step is run or captured."""
             if self.plan is None:
-                from vllm.model_executor.models.utils import extract_layer_index
-
-                index = extract_layer_index(layer.layer_name)
-                if not 0 <= index < self.served.windows.shape[0]:
-                    raise ValueError(f"aah.vllm: layer {layer.layer_name} has index {index}; the windows file has "
-                                     f"{self.served.windows.shape[0]} layers")
-                plan = plan_layer(
-                    self.served.windows[index], num_kv_heads=self._global_kv_heads,
-                    sink_tokens=self.served.sink_tokens, layer_window=self.sliding_window,
-                    tp_size=self._tp[0], rank=self._tp[1],
-                )
-                if len(plan.windows) != self.num_heads:
-                    raise ValueError(f"aah.vllm: layer {layer.layer_name} runs {self.num_heads} query heads on this "
-                                     f"rank, the windows file gives it {len(plan.windows)}")
+                plan = served_layer_plan(
+                    self.served, layer, num_heads=self.num_heads, kv_heads=self._global_kv_heads,
+                    tp_size=self._tp[0], rank=self._tp[1], layer_window=self.sliding_window)
                 windows = torch.tensor(plan.windows, dtype=torch.int64, device=device)
                 sinks = torch.tensor(plan.sink_tokens, dtype=torch.int64, device=device)
                 self.logical_mask = window_mask_mod(windows, sinks)
