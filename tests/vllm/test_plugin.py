@@ -519,10 +519,12 @@ def test_bench_check_compares_each_engine_with_transformers(tmp_path, byte_bpe):
     swapped = exactness(model_dir, windows, prompt, {"vanilla": requests["aah"], "aah": requests["vanilla"]})
     assert swapped["vanilla"]["max_abs_logprob_diff"] > 1e-3 and swapped["aah"]["max_abs_logprob_diff"] > 1e-3
     requests["aah"]["prompt_logprobs"][5] += 0.01
-    requests["aah"]["tokens"][-1] = (requests["aah"]["tokens"][-1] + 1) % E2E_VOCAB
     report = exactness(model_dir, windows, prompt, requests)
     assert report["aah"]["max_abs_logprob_diff"] >= 0.01 - 1e-9
     assert report["aah"]["float64_max_abs_logprob_diff"] >= 0.01 - 1e-4
+    assert report["aah"]["float64_max_at_position"] == 6  # prompt_logprobs[5] scores token 6
+    requests["aah"]["tokens"][-1] = (requests["aah"]["tokens"][-1] + 1) % E2E_VOCAB
+    report = exactness(model_dir, windows, prompt, requests)
     assert not report["aah"]["greedy_equal"] and report["vanilla"]["greedy_equal"]
 
 

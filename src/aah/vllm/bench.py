@@ -162,7 +162,8 @@ def exactness(model_dir: str | Path, windows: str | Path, prompt: list[int],
     :mod:`aah.vllm.runner` writes them) on ``prompt`` with transformers: ``aah`` with ``aah.hf``'s
     patched model on ``windows``, ``vanilla`` with the unpatched model. Against the model in float32:
     ``max_abs_logprob_diff``, ``mean_abs_logprob_diff`` and ``greedy_equal``; against the same model
-    in float64 (the true values of its attention): ``float64_max_abs_logprob_diff`` and
+    in float64 (the true values of its attention): ``float64_max_abs_logprob_diff`` (at the
+    token position ``float64_max_at_position``, counted from 0 in prompt + generated tokens) and
     ``float64_mean_abs_logprob_diff``, with transformers' own float32 distance from it beside them
     (``transformers_float32_max_abs_logprob_diff``), the yardstick of float32 arithmetic alone."""
     report = {}
@@ -183,6 +184,7 @@ def exactness(model_dir: str | Path, windows: str | Path, prompt: list[int],
         report[name] = {"max_abs_logprob_diff": float(diff32.max()), "mean_abs_logprob_diff": float(diff32.mean()),
                         "greedy_equal": greedy == list(request["tokens"]),
                         "float64_max_abs_logprob_diff": float(diff64.max()),
+                        "float64_max_at_position": int(diff64.argmax()) + 1,
                         "float64_mean_abs_logprob_diff": float(diff64.mean()),
                         "transformers_float32_max_abs_logprob_diff":
                             float((picked32 - picked64)[: len(got)].abs().max())}
