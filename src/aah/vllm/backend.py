@@ -70,7 +70,6 @@ def served_windows() -> ServedWindows | None:
     return _load(source, id(model_config.hf_config))
 
 
-
 def refuse_settings(served: ServedWindows, refusals: dict[str, tuple[bool, str]]) -> None:
     """Stop with one line naming the first setting in ``refusals`` (``name: (bad, what)``) that is
     ``bad``, for a layer that serves the windows of ``served``."""
@@ -107,6 +106,7 @@ def served_layer_plan(served: ServedWindows, layer, *, num_heads: int, kv_heads:
         raise ValueError(f"aah.vllm: layer {layer.layer_name} runs {num_heads} query heads on this rank, "
                          f"the windows file gives it {len(plan.windows)}")
     return plan
+
 
 class AAHCPUAttentionMetadataBuilder(CPUAttentionMetadataBuilder):
     """vLLM's CPU metadata builder; with windows, it checks the cache layout and dtype at start-up."""

@@ -57,8 +57,8 @@ from ..bridge.spec import (
 )
 
 __all__ = [
-    "HEAD_CHUNK_ROWS", "Setting", "block_nll", "check_chunk_rows", "check_head", "chunked_nll", "evaluate_settings", "final_hidden",
-    "has_own_windows", "head_logits", "last_logits", "markdown_table", "own_setting", "perplexity",
+    "HEAD_CHUNK_ROWS", "Setting", "block_nll", "check_chunk_rows", "check_head", "chunked_nll", "evaluate_settings",
+    "final_hidden", "has_own_windows", "head_logits", "last_logits", "markdown_table", "own_setting", "perplexity",
     "served_block_nll", "summary", "uniform_setting",
 ]
 
